@@ -1,0 +1,110 @@
+"""Attention backends over the paged KV pool, plugged into transformers models.
+
+:func:`attach` registers chatkv's attention function in transformers'
+``AttentionInterface`` and switches a model to it. Each forward call then
+receives the step's :class:`AttentionMetadata` as the ``chatkv_meta`` keyword
+argument; nothing is global.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from chatkv.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from chatkv.attention.torch_backend import TorchBackend
+
+ATTN_IMPLEMENTATION = "chatkv_paged"
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchBackend",
+    "attach",
+    "get_backend",
+    "paged_attention_forward",
+]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: write this step's K/V into the pool, then attend.
+
+    transformers calls it per layer with ``query`` ``[1, q_heads, T, D]`` and
+    ``key``/``value`` ``[1, kv_heads, T, D]`` (rotary already applied, KV heads
+    not repeated) for the packed batch; the mask transformers would build is
+    ignored (``attention_mask`` is None for a registered function), causality
+    and windows come from the metadata.
+
+    Returns:
+        ``([1, T, q_heads, D], None)`` as transformers expects.
+    """
+    meta: AttentionMetadata | None = kwargs.get("chatkv_meta")
+    if meta is None:
+        raise RuntimeError(
+            "chatkv attention was called without chatkv_meta; run this model through chatkv's engine"
+        )
+    assert query.shape[0] == 1, "chatkv packs sequences along the token axis (batch dim 1)"
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv[layer, 0], meta.kv[layer, 1]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    backend = meta.backend or TorchBackend()
+    out = backend.forward(q, k_cache, v_cache, meta, scale, kwargs.get("sliding_window"))
+    return out.unsqueeze(0), None
+
+
+def attach(model: Any) -> None:
+    """Register chatkv's attention function and make ``model`` use it.
+
+    Idempotent. The model's own modules and weights are untouched.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:  # older transformers
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called ``name`` (``torch``, ``triton``, ``flex`` or ``auto``) for ``device``.
+
+    ``auto`` picks the fused Triton kernels on CUDA when Triton imports, the
+    ``torch`` backend otherwise.
+
+    Raises:
+        ValueError: an unknown name, or ``triton`` asked for where it cannot run
+            (no triton package, or neither CUDA nor ``TRITON_INTERPRET=1``).
+    """
+    if name == "torch":
+        return TorchBackend()
+    if name == "flex":
+        from chatkv.attention.flex_backend import FlexBackend
+
+        return FlexBackend()
+    if name in ("triton", "auto"):
+        from chatkv.attention.triton_backend import TritonBackend
+
+        if name == "triton" or device.type == "cuda":
+            if TritonBackend.is_available(device):
+                return TritonBackend()
+            if name == "triton":
+                raise ValueError(
+                    "the triton attention backend needs the triton package and CUDA "
+                    "(or TRITON_INTERPRET=1 on the CPU)"
+                )
+        return TorchBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, triton, flex or auto")

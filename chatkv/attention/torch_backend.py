@@ -1,0 +1,106 @@
+"""The portable attention backend: gather each sequence's blocks, then SDPA.
+
+It runs on any device PyTorch supports and is the reference every other
+backend is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from chatkv.attention.base import AttentionBackend, AttentionMetadata
+
+
+def causal_window_mask(
+    q_len: int, kv_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask ``[q_len, kv_len]`` (True = attend) for a chunk ending at ``kv_len``.
+
+    The ``q_len`` queries are the last positions ``kv_len - q_len .. kv_len - 1``
+    (bottom-right aligned causal mask). Returns None when every key is visible,
+    so SDPA can take its unmasked fast path.
+    """
+    if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
+        return None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Return the first ``seq_len`` rows of a sequence's blocks as ``[seq_len, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:n_blocks].long())
+    return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Paged attention for a packed batch, one sequence at a time, via SDPA.
+
+    Args:
+        query: ``[T, q_heads, head_dim]``, sequences packed in order.
+        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        block_tables: ``[S, max_blocks]`` int32.
+        seq_lens: context length of each sequence (cached + new).
+        query_lens: new tokens of each sequence; they sum to ``T``.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: see :meth:`AttentionBackend.forward`.
+
+    Returns:
+        ``[T, q_heads, head_dim]``.
+    """
+    total, q_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    assert q_heads % kv_heads == 0, (q_heads, kv_heads)
+    assert sum(query_lens) == total, (query_lens, total)
+    out = torch.empty_like(query)
+    start = 0
+    for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        k = gather_sequence_kv(k_cache, block_tables[i], kv_len).transpose(0, 1).unsqueeze(0)
+        v = gather_sequence_kv(v_cache, block_tables[i], kv_len).transpose(0, 1).unsqueeze(0)
+        mask = causal_window_mask(q_len, kv_len, sliding_window, query.device)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=q_heads != kv_heads,
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out
+
+
+class TorchBackend(AttentionBackend):
+    """Gathers each sequence's blocks into a contiguous copy and calls SDPA."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`."""
+        return paged_attention_reference(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens_list,
+            meta.query_lens_list, scale, sliding_window,
+        )

@@ -1,0 +1,308 @@
+"""The paged KV block pool: one preallocated tensor, a free list, refcounts and
+content hashes for sharing prefixes.
+
+Layout (one tensor for the whole model)::
+
+    kv: [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+
+A block is *owned* (refcount > 0), *cached* (refcount 0 but holding a full,
+hashed block that a later prompt may revive; evictable, least recently
+released first) or *free*. A block may be written in place only when it is
+owned by exactly one sequence and carries no registered hash; anything else is
+copied on write. Hash hits compare token ids, so a hash collision can never
+serve the wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NewType, Sequence as Seq
+
+import numpy as np
+import torch
+
+from chatkv.errors import OutOfBlocksError
+
+if TYPE_CHECKING:
+    from chatkv.sequence import Sequence
+
+#: Chained content hash of one full block: sha256(parent hash, namespace, token ids).
+BlockHash = NewType("BlockHash", bytes)
+
+_ROOT = b"\x00" * 32
+
+
+def block_hash(parent: BlockHash | None, token_ids: Seq[int], namespace: bytes) -> BlockHash:
+    """Hash of a full block given its parent's hash, its token ids and a namespace
+    (the model fingerprint), so equal tokens under different models never match."""
+    h = hashlib.sha256()
+    h.update(parent or _ROOT)
+    h.update(namespace)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return BlockHash(h.digest())
+
+
+@dataclass
+class PoolStats:
+    """A snapshot of the pool's occupancy and prefix-cache counters."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    shared_blocks: int
+    bytes_per_block: int
+    prefix_hit_blocks: int
+    prefix_miss_blocks: int
+    evicted_blocks: int
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks a new request can take: free plus evictable cached ones."""
+        return self.free_blocks + self.cached_blocks
+
+
+class BlockPool:
+    """Owns the KV tensor and the bookkeeping of its blocks.
+
+    Not thread-safe by itself: the engine serialises access.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        namespace: str,
+    ) -> None:
+        """Preallocate ``num_blocks`` blocks of ``block_size`` tokens for every layer.
+
+        ``namespace`` (the model fingerprint) is mixed into every block hash.
+        """
+        if num_blocks < 1:
+            raise ValueError("a pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.namespace = namespace.encode()
+        device = torch.device(device)
+        alloc = torch.zeros if device.type != "cpu" else torch.empty  # CPU: commit pages lazily
+        self.kv = alloc((num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)
+        assert self.kv.shape == (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockHash, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        self.evictions = 0
+
+    # -- sizes ---------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    @staticmethod
+    def bytes_per_block_for(num_layers: int, kv_heads: int, head_dim: int, block_size: int,
+                            dtype: torch.dtype) -> int:
+        """Bytes one block would take for a model of this shape."""
+        return 2 * num_layers * kv_heads * head_dim * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out now (free, or cached and evictable)."""
+        return len(self._free) + len(self._cached)
+
+    def stats(self) -> PoolStats:
+        """Current occupancy and counters."""
+        used = sum(1 for r in self.ref_counts if r > 0)
+        return PoolStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_blocks=len(self._free),
+            cached_blocks=len(self._cached),
+            used_blocks=used,
+            shared_blocks=sum(1 for r in self.ref_counts if r > 1),
+            bytes_per_block=self.bytes_per_block,
+            prefix_hit_blocks=self.prefix_hits,
+            prefix_miss_blocks=self.prefix_misses,
+            evicted_blocks=self.evictions,
+        )
+
+    # -- single blocks --------------------------------------------------------------
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)  # least recently released
+            self._forget_hash(block)
+            self.evictions += 1
+        else:
+            raise OutOfBlocksError("the KV block pool is exhausted")
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+
+    def _incref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self._cached.pop(block, None)
+        self.ref_counts[block] += 1
+
+    def _decref(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"block {block} released twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_hash[block] is not None and self.hash_to_block.get(self.block_hash[block]) == block:
+                self._cached[block] = None
+            else:
+                self._forget_hash(block)
+                self._free.append(block)
+
+    def _writable(self, block: int) -> bool:
+        return self.ref_counts[block] == 1 and self.block_hash[block] is None
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy every layer's K and V of block ``src`` into block ``dst``."""
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
+
+    # -- sequences ------------------------------------------------------------------
+
+    def match_prefix(self, seq: "Sequence", token_ids: Seq[int]) -> int:
+        """Attach cached full blocks that hold a prefix of ``token_ids`` to an empty ``seq``.
+
+        At most ``len(token_ids) - 1`` tokens are matched, so the last token is
+        always computed (its logits start generation). Matched blocks gain a
+        reference. Returns the number of tokens now covered; ``seq.token_ids``
+        and ``seq.num_computed`` are set to them.
+        """
+        assert not seq.block_table and seq.num_computed == 0, "match_prefix needs an empty sequence"
+        bs = self.block_size
+        parent: BlockHash | None = None
+        matched = 0
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, self.namespace)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != chunk:
+                self.prefix_misses += 1
+                break
+            self._incref(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            self.prefix_hits += 1
+            parent = h
+            matched += bs
+        seq.token_ids = list(token_ids[:matched])
+        seq.num_computed = matched
+        return matched
+
+    def blocks_needed(self, seq: "Sequence", num_new: int) -> int:
+        """How many blocks writing ``num_new`` more tokens into ``seq`` would take
+        (new blocks plus a copy-on-write of a shared partial last block)."""
+        bs = self.block_size
+        total = seq.num_computed + num_new
+        need = max(0, -(-total // bs) - len(seq.block_table))
+        if num_new and seq.num_computed % bs and not self._writable(seq.block_table[-1]):
+            need += 1
+        return need
+
+    def prepare_write(self, seq: "Sequence", num_new: int) -> list[int]:
+        """Make room for ``num_new`` tokens after ``seq.num_computed`` and return their slots.
+
+        All-or-nothing: if the pool cannot supply the blocks (after evicting
+        cached ones) :class:`OutOfBlocksError` is raised and nothing changes. A
+        partial last block that is shared or hashed is copied first (copy on write).
+
+        Returns:
+            Flat slot indices (``block * block_size + offset``), one per new token.
+        """
+        need = self.blocks_needed(seq, num_new)
+        if need > self.num_available:
+            raise OutOfBlocksError(
+                f"the KV pool needs {need} more blocks of {self.block_size} tokens but only "
+                f"{self.num_available} of {self.num_blocks} are available; raise kv_budget_bytes "
+                "or close idle sessions"
+            )
+        bs = self.block_size
+        start = seq.num_computed
+        if num_new and start % bs:
+            last = seq.block_table[-1]
+            if not self._writable(last):
+                fresh = self._allocate()
+                self.copy_block(last, fresh)
+                self._decref(last)
+                seq.block_table[-1] = fresh
+        while len(seq.block_table) * bs < start + num_new:
+            seq.block_table.append(self._allocate())
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+
+    def commit(self, seq: "Sequence", num_new: int) -> None:
+        """Record that ``num_new`` tokens after ``seq.num_computed`` now have KV in
+        their slots; blocks this fills get their content hash and become shareable."""
+        bs = self.block_size
+        seq.num_computed += num_new
+        assert seq.num_computed <= len(seq.token_ids)
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, self.namespace)
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+                self.block_tokens[block] = chunk
+
+    def truncate(self, seq: "Sequence", num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` computed tokens of ``seq``, releasing
+        the blocks past them. A block left partially valid stays shared or cached
+        for others; the next write copies it."""
+        assert 0 <= num_tokens <= seq.num_computed
+        bs = self.block_size
+        keep_blocks = -(-num_tokens // bs)
+        for block in seq.block_table[keep_blocks:]:
+            self._decref(block)
+        del seq.block_table[keep_blocks:]
+        del seq.block_hashes[num_tokens // bs :]
+        del seq.token_ids[num_tokens:]
+        seq.num_computed = num_tokens
+
+    def release(self, seq: "Sequence") -> None:
+        """Return every block of ``seq`` to the pool (cached if hashed) and empty it."""
+        for block in seq.block_table:
+            self._decref(block)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.token_ids.clear()
+        seq.num_computed = 0
+
+    def fork(self, seq: "Sequence") -> "Sequence":
+        """A new sequence sharing all of ``seq``'s blocks by reference (copy on write)."""
+        from chatkv.sequence import Sequence
+
+        for block in seq.block_table:
+            self._incref(block)
+        return Sequence(
+            token_ids=list(seq.token_ids),
+            block_table=list(seq.block_table),
+            block_hashes=list(seq.block_hashes),
+            num_computed=seq.num_computed,
+        )

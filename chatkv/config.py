@@ -1,0 +1,128 @@
+"""Engine and sampling configuration: small dataclasses that reject unknown keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from chatkv.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _from_dict(cls: type[T], values: dict[str, Any]) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(names)}"
+        )
+    return cls(**values)
+
+
+def chatkv_home() -> Path:
+    """The directory chatkv keeps its state in: ``$CHATKV_HOME``, else the user data dir."""
+    env = os.environ.get("CHATKV_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+def model_cache_dir() -> Path:
+    """Where converted models are kept: ``$CHATKV_MODEL_CACHE``, else ``<home>/models``."""
+    env = os.environ.get("CHATKV_MODEL_CACHE")
+    return Path(env).expanduser() if env else chatkv_home() / "models"
+
+
+@dataclass
+class EngineConfig:
+    """How an engine lays out and sizes its KV pool.
+
+    Attributes:
+        block_size: tokens per KV block (a power of two).
+        kv_budget_bytes: bytes the block pool may take on the device; None picks a
+            default (a quarter of free RAM capped at 2 GiB on CPU, 60% of free
+            memory on CUDA).
+        num_blocks: overrides ``kv_budget_bytes`` with an exact block count.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when present.
+        attention_backend: ``"torch"``, ``"triton"``, ``"flex"`` or ``"auto"``
+            (triton on CUDA when importable, torch otherwise).
+        max_prefill_tokens: the longest chunk one forward call prefills; longer
+            deltas are split so activations stay bounded.
+    """
+
+    block_size: int = 16
+    kv_budget_bytes: int | None = None
+    num_blocks: int | None = None
+    device: str | None = None
+    attention_backend: str = "auto"
+    max_prefill_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ConfigError(f"kv_budget_bytes must be positive, got {self.kv_budget_bytes}")
+        if self.attention_backend not in ("auto", "torch", "triton", "flex"):
+            raise ConfigError(
+                "attention_backend must be 'auto', 'torch', 'triton' or 'flex', "
+                f"got {self.attention_backend!r}"
+            )
+        if self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens must be positive")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from a mapping; unknown keys raise :class:`ConfigError` naming them."""
+        return _from_dict(cls, values)
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is chosen, and when generation stops.
+
+    ``temperature == 0`` is greedy decoding (the default). ``top_k == 0`` and
+    ``top_p == 1`` disable those filters. ``seed`` makes sampling reproducible.
+    Generation stops at the model's end-of-sequence token(s), at any of the
+    ``stop`` strings (which are not included in the reply), or after
+    ``max_new_tokens``.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: Sequence[str] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(s for s in self.stop if s)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from a mapping; unknown keys raise :class:`ConfigError` naming them."""
+        return _from_dict(cls, values)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with ``changes`` applied (unknown keys raise :class:`ConfigError`)."""
+        merged = dataclasses.asdict(self)
+        merged.update(changes)
+        return _from_dict(SamplingParams, merged)

@@ -1,0 +1,121 @@
+"""The model runner: one packed forward pass over several sequences' new tokens.
+
+Sequences of different lengths are packed along the token axis with no
+padding; each token carries its absolute position, and the attention metadata
+tells every layer which blocks each sequence reads. Only the last position of
+each sequence goes through the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chatkv.attention import AttentionBackend, AttentionMetadata, attach
+from chatkv.block_pool import BlockPool
+from chatkv.sequence import Sequence
+
+
+@dataclass
+class StepInput:
+    """One sequence's share of a packed step: ``tokens`` are appended after
+    ``seq.num_computed``. ``tokens`` must equal ``seq.token_ids[num_computed:num_computed+len]``."""
+
+    seq: Sequence
+    tokens: list[int]
+
+
+class ModelRunner:
+    """Runs a transformers causal LM over the paged pool.
+
+    The model is switched to chatkv's attention function (see
+    :func:`chatkv.attention.attach`) and always called with ``use_cache=False``
+    so transformers builds no cache of its own.
+    """
+
+    def __init__(self, model: Any, pool: BlockPool, backend: AttentionBackend) -> None:
+        """Wrap ``model`` (attaching chatkv attention) to run over ``pool`` with ``backend``."""
+        attach(model)
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.device = next(model.parameters()).device
+
+    def build_metadata(self, batch: list[StepInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Reserve slots for every new token and pack the step.
+
+        Returns:
+            ``(meta, input_ids [1, T], position_ids [1, T])``.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step; slots reserved for
+                earlier sequences of this batch stay reserved (their blocks are
+                owned by those sequences and freed with them).
+        """
+        pool = self.pool
+        slots: list[int] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        for item in batch:
+            seq, n = item.seq, len(item.tokens)
+            assert n > 0, "a step needs at least one token per sequence"
+            start = seq.num_computed
+            assert seq.token_ids[start : start + n] == item.tokens, "step tokens must extend the sequence"
+            slots.extend(pool.prepare_write(seq, n))
+            ids.extend(item.tokens)
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            query_lens.append(n)
+        max_blocks = max(len(item.seq.block_table) for item in batch)
+        table = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
+        for i, item in enumerate(batch):
+            table[i, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
+        cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+        dev = self.device
+        meta = AttentionMetadata(
+            kv=pool.kv,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu.to(dev),
+            seq_lens_list=seq_lens,
+            query_lens_list=query_lens,
+            max_query_len=max(query_lens),
+            backend=self.backend,
+        )
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
+        return meta, input_ids, position_ids
+
+    @torch.inference_mode()
+    def forward(self, batch: list[StepInput]) -> torch.Tensor:
+        """Compute the KV of every new token in place and the logits of each
+        sequence's last new token.
+
+        On success each sequence's ``num_computed`` advances by its token count
+        and newly filled blocks are hashed for prefix sharing.
+
+        Returns:
+            ``[len(batch), vocab]`` float32 logits.
+        """
+        meta, input_ids, position_ids = self.build_metadata(batch)
+        last = torch.tensor(
+            [int(c) - 1 for c in meta.cu_seqlens_q[1:].tolist()], dtype=torch.long, device=self.device
+        )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=last,
+            chatkv_meta=meta,
+        )
+        logits = out.logits[0].float()
+        assert logits.shape[0] == len(batch), (logits.shape, len(batch))
+        for item in batch:
+            self.pool.commit(item.seq, len(item.tokens))
+        return logits

