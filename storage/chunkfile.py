@@ -1,0 +1,269 @@
+"""One KV chunk as a safetensors file: atomic write, full verification on read.
+
+A chunk file holds the caller's tensors plus ``__token_ids__`` (int32, the
+chunk's tokens), so a file alone is enough to recompute its name. Its string
+metadata (readable by any safetensors tool):
+
+========================  ==================================================
+``format``                ``chatkv.kv_chunk``
+``format_version``        ``1``
+``chunk_hash``            the file's name, hex sha256 (see :func:`~.hashing.chunk_hash`)
+``parent``                parent chunk hash, or empty for a sequence's first chunk
+``fingerprint``           model fingerprint the KV belongs to
+``kv_format``             the engine's KV layout tag (part of the hash)
+``dtype``                 KV dtype, as the caller names it
+``block_size``            tokens per block
+``n_tokens``              tokens in this chunk
+``quant``                 quantization scheme (``none``, ``int8``, ...)
+``payload_bytes``         bytes of tensor data
+``checksum``              ``sha256:<hex>`` over names, dtypes, shapes and bytes
+``x.<key>``               caller extras
+========================  ==================================================
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+
+from .errors import CorruptChunkError, MissingChunkError, StorageWriteError
+from .hashing import ChunkHash, chunk_hash
+from .paths import TMP_PREFIX
+
+FORMAT = "chatkv.kv_chunk"
+FORMAT_VERSION = "1"
+TOKEN_IDS_KEY = "__token_ids__"
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the caller says about a chunk's tensors (stored as file metadata).
+
+    Attributes:
+        fingerprint: the model fingerprint (weights, config, dtype, tokenizer, template, KV format).
+        kv_format: the engine's KV layout/version tag; part of the chunk hash.
+        dtype: KV dtype name, e.g. ``bfloat16``.
+        block_size: tokens per block.
+        quant: quantization scheme, ``none`` for full precision.
+        extra: more string metadata, stored under ``x.<key>``.
+    """
+
+    fingerprint: str
+    kv_format: str
+    dtype: str
+    block_size: int
+    quant: str = "none"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkFile:
+    """A verified chunk read from disk."""
+
+    hash: ChunkHash
+    parent: ChunkHash | None
+    token_ids: list[int]
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+def payload_checksum(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """Return (``sha256:<hex>``, payload bytes) over tensors in name order. No side effects."""
+    h = hashlib.sha256()
+    total = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\n".encode())
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            raw = flat.view(torch.uint8).numpy()
+            h.update(raw.data)
+            total += raw.nbytes
+    return "sha256:" + h.hexdigest(), total
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == TOKEN_IDS_KEY:
+            raise ValueError(f"tensor name {name!r} is not allowed")
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().nbytes() != t.nbytes:  # a view into a bigger buffer
+            t = t.clone()
+        out[name] = t
+    return out
+
+
+def encode_chunk(
+    h: ChunkHash,
+    parent: ChunkHash | None,
+    token_ids: Sequence[int],
+    tensors: Mapping[str, torch.Tensor],
+    meta: ChunkMeta,
+) -> bytes:
+    """Serialize a chunk to safetensors bytes, metadata and checksum included. No side effects."""
+    payload = _prepare(tensors)
+    payload[TOKEN_IDS_KEY] = torch.tensor(list(token_ids), dtype=torch.int32)
+    checksum, nbytes = payload_checksum(payload)
+    md = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "chunk_hash": h,
+        "parent": parent or "",
+        "fingerprint": meta.fingerprint,
+        "kv_format": meta.kv_format,
+        "dtype": meta.dtype,
+        "block_size": str(int(meta.block_size)),
+        "n_tokens": str(len(token_ids)),
+        "quant": meta.quant,
+        "payload_bytes": str(nbytes),
+        "checksum": checksum,
+    }
+    for k, v in meta.extra.items():
+        md[f"x.{k}"] = str(v)
+    return st_save(payload, metadata=md)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or create inside it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def ensure_dir(path: Path) -> None:
+    """Create ``path`` (and parents) durably. Raises :class:`StorageWriteError` on failure."""
+    if path.is_dir():
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise StorageWriteError(f"cannot create directory {path}: {e.strerror or e}") from e
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably.
+
+    Temp file in the same directory, write, fsync, ``os.replace``, fsync the
+    directory. On any error the temp file is removed and ``path`` is untouched.
+
+    Raises:
+        StorageWriteError: disk full, read-only file system, or any other OS error.
+    """
+    ensure_dir(path.parent)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = -1
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _write_all(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        why = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system",
+               errno.EDQUOT: "quota exceeded", errno.EACCES: "permission denied"}.get(e.errno or 0, "")
+        raise StorageWriteError(
+            f"cannot write {path.name} in {path.parent}: {why + ': ' if why else ''}{e.strerror or e}"
+        ) from e
+
+
+def read_chunk_file(
+    path: Path,
+    expected_hash: ChunkHash,
+    *,
+    expected_bytes: int | None = None,
+    fingerprint: str | None = None,
+    verify: bool = True,
+) -> ChunkFile:
+    """Read and verify one chunk file. Pure read; no side effects.
+
+    Checks, in order: the file exists, its size equals ``expected_bytes``
+    (when given), safetensors can parse it, the format tag and version, the
+    stored hash equals ``expected_hash``, ``fingerprint`` (when given), the
+    token count and, when ``verify``, the payload checksum and the chained hash
+    recomputed from parent + token ids + fingerprint + kv_format.
+
+    Raises:
+        MissingChunkError: no file.
+        CorruptChunkError: any other check failed (the caller quarantines).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MissingChunkError(expected_hash, f"file {path} is missing") from None
+    if expected_bytes is not None and size != expected_bytes:
+        raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            md = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a torn file
+        raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
+    if md.get("format") != FORMAT or md.get("format_version") != FORMAT_VERSION:
+        raise CorruptChunkError(
+            expected_hash, f"format {md.get('format')!r} v{md.get('format_version')!r}, expected {FORMAT} v{FORMAT_VERSION}"
+        )
+    if md.get("chunk_hash") != expected_hash:
+        raise CorruptChunkError(expected_hash, f"file says it is chunk {md.get('chunk_hash')!r}")
+    if fingerprint is not None and md.get("fingerprint") != fingerprint:
+        raise CorruptChunkError(expected_hash, f"fingerprint {md.get('fingerprint')!r}, expected {fingerprint!r}")
+    ids_t = tensors.pop(TOKEN_IDS_KEY, None)
+    if ids_t is None or ids_t.dtype != torch.int32 or ids_t.dim() != 1:
+        raise CorruptChunkError(expected_hash, "no int32 token id vector")
+    token_ids = ids_t.tolist()
+    if str(len(token_ids)) != md.get("n_tokens"):
+        raise CorruptChunkError(expected_hash, f"{len(token_ids)} token ids, metadata says {md.get('n_tokens')}")
+    parent = ChunkHash(md["parent"]) if md.get("parent") else None
+    if verify:
+        checksum, _ = payload_checksum({**tensors, TOKEN_IDS_KEY: ids_t})
+        if checksum != md.get("checksum"):
+            raise CorruptChunkError(expected_hash, "payload checksum mismatch")
+        try:
+            again = chunk_hash(parent, token_ids, md.get("fingerprint", ""), md.get("kv_format", ""))
+        except ValueError as e:
+            raise CorruptChunkError(expected_hash, str(e)) from e
+        if again != expected_hash:
+            raise CorruptChunkError(expected_hash, "chained hash does not match the tokens")
+    return ChunkFile(expected_hash, parent, token_ids, tensors, md)
+
+
+def meta_from_file(md: Mapping[str, str]) -> ChunkMeta:
+    """Rebuild the :class:`ChunkMeta` a chunk was written with from its file metadata."""
+    extra = {k[2:]: v for k, v in md.items() if k.startswith("x.")}
+    return ChunkMeta(
+        fingerprint=md["fingerprint"], kv_format=md["kv_format"], dtype=md["dtype"],
+        block_size=int(md["block_size"]), quant=md["quant"], extra=extra,
+    )

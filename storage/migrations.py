@@ -1,0 +1,128 @@
+"""Schema versions: an append-only, ordered list of migrations.
+
+A fresh database is created at the latest version straight from the models
+and stamped with every version. An existing one runs the migrations above its
+recorded version, in order, each in its own transaction. A database whose
+version is above :data:`LATEST_VERSION` is refused: a newer chatkv wrote it.
+
+Rules for adding one: never edit a published migration; write DDL that both
+SQLite and PostgreSQL accept; define any table it creates inside the
+migration (a frozen copy), not by importing the current model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    Column,
+    DateTime,
+    MetaData,
+    String,
+    Table,
+    insert,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import Connection, Engine
+
+from .errors import SchemaVersionError
+from .schema import Base, SchemaVersionRow, utcnow
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step from ``version - 1`` to ``version``."""
+
+    version: int
+    description: str
+    apply: Callable[[Connection], None]
+
+
+def _v1_initial(conn: Connection) -> None:
+    # Never runs: every database starts at v1 or later (an empty one is created
+    # at the latest version by upgrade()). Kept so the list reads as the history.
+    raise SchemaVersionError("a database below schema v1 is not a chatkv index")
+
+
+def _v2_leases_and_generation(conn: Connection) -> None:
+    md = MetaData()
+    Table(
+        "chatkv_leases",
+        md,
+        Column("session_id", String(128), primary_key=True),
+        Column("owner", String(255), nullable=False),
+        Column("acquired_at", DateTime, nullable=False),
+        Column("renewed_at", DateTime, nullable=False),
+        Column("expires_at", DateTime, nullable=False),
+    )
+    md.create_all(conn)
+    conn.exec_driver_sql(
+        "ALTER TABLE chatkv_sessions ADD COLUMN kv_generation INTEGER NOT NULL DEFAULT 0"
+    )
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
+    Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
+)
+LATEST_VERSION = MIGRATIONS[-1].version
+
+
+def current_version(conn: Connection) -> int | None:
+    """The schema version recorded in the database, or ``None`` if it has no chatkv tables.
+
+    Raises:
+        SchemaVersionError: chatkv tables exist but no version table (unknown origin).
+    """
+    names = set(inspect(conn).get_table_names())
+    if SchemaVersionRow.__tablename__ not in names:
+        if any(n.startswith("chatkv_") for n in names):
+            raise SchemaVersionError(
+                "the index has chatkv tables but no chatkv_schema table; refusing to guess its version"
+            )
+        return None
+    v = conn.execute(select(SchemaVersionRow.version).order_by(SchemaVersionRow.version.desc())).first()
+    return int(v[0]) if v else None
+
+
+def upgrade(engine: Engine) -> int:
+    """Bring the database at ``engine`` to :data:`LATEST_VERSION`; return the version before.
+
+    Side effects: creates all tables on an empty database; runs pending
+    migrations, each in its own transaction, recording each in ``chatkv_schema``.
+
+    Raises:
+        SchemaVersionError: the database is newer than this chatkv, or not a chatkv index.
+    """
+    with engine.begin() as conn:
+        before = current_version(conn)
+        if before is None:
+            Base.metadata.create_all(conn)
+            for m in MIGRATIONS:
+                conn.execute(
+                    insert(SchemaVersionRow).values(
+                        version=m.version, description=m.description, applied_at=utcnow()
+                    )
+                )
+            return 0
+    if before > LATEST_VERSION:
+        raise SchemaVersionError(
+            f"the index at {engine.url.render_as_string(hide_password=True)} has schema version "
+            f"{before}, newer than this chatkv understands ({LATEST_VERSION}); upgrade chatkv"
+        )
+    for m in MIGRATIONS:
+        if m.version <= before:
+            continue
+        with engine.begin() as conn:
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            if (current_version(conn) or 0) >= m.version:
+                continue
+            m.apply(conn)
+            conn.execute(
+                insert(SchemaVersionRow).values(
+                    version=m.version, description=m.description, applied_at=utcnow()
+                )
+            )
+    return before

@@ -1,0 +1,731 @@
+"""``Store``: the one object the engine and the CLI use for durable state.
+
+Ordering rule (DESIGN invariant 4): chunk files are written and fsynced
+before the transaction that names them commits; files that stop being
+referenced are unlinked only after the commit, under the index's write lock
+and only if still unreferenced. A crash therefore leaves the old or the new
+index state, plus at worst orphan or temp files that :meth:`Store.gc` removes.
+
+Deleting a session, invalidating its KV or replacing its chunk list removes
+chunk files whose last reference went away at once (not left for gc).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors import safe_open
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import leases
+from .chunkfile import (
+    ChunkFile,
+    ChunkMeta,
+    atomic_write,
+    encode_chunk,
+    ensure_dir,
+    read_chunk_file,
+)
+from .db import make_engine
+from .errors import (
+    CorruptChunkError,
+    FingerprintMismatchError,
+    MissingChunkError,
+    SessionNotFoundError,
+    StorageError,
+    StorageWriteError,
+)
+from .hashing import ChunkHash, chunk_hash, pack_token_ids, unpack_token_ids
+from .ids import validate_session_id
+from .migrations import upgrade
+from .paths import (
+    CHUNK_SUFFIX,
+    KV_DIR,
+    QUARANTINE_DIR,
+    chunk_relpath,
+    default_db_url,
+    default_home,
+)
+from .records import (
+    ChunkInfo,
+    DiskUsage,
+    GcReport,
+    LoadedChunk,
+    MessageRecord,
+    NewChunk,
+    RemoveResult,
+    SaveResult,
+    SessionBytes,
+    SessionInfo,
+    SessionKV,
+)
+from .schema import ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
+
+
+def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
+    return ChunkInfo(
+        hash=ChunkHash(row.hash), parent=ChunkHash(row.parent) if row.parent else None,
+        relpath=row.relpath, n_tokens=row.n_tokens, bytes=row.bytes, fingerprint=row.fingerprint,
+        kv_format=row.kv_format, quant=row.quant, dtype=row.dtype, block_size=row.block_size,
+        written=written,
+    )
+
+
+def chunk_row(info: ChunkInfo) -> ChunkRow:
+    return ChunkRow(
+        hash=info.hash, parent=info.parent, relpath=info.relpath, n_tokens=info.n_tokens,
+        bytes=info.bytes, fingerprint=info.fingerprint, kv_format=info.kv_format, quant=info.quant,
+        dtype=info.dtype, block_size=info.block_size, created_at=utcnow(),
+    )
+
+
+class Store:
+    """Durable sessions: the SQLAlchemy index plus content-addressed chunk files.
+
+    Args:
+        home: the data directory; default ``$CHATKV_HOME`` or the user data dir.
+            Created if missing.
+        db_url: any SQLAlchemy URL; default ``$CHATKV_DB_URL`` or
+            ``sqlite:///<home>/index.db``.
+        owner: lease owner id; default ``host:pid:random`` (unique per Store).
+        lease_ttl_s: how long a lease lives without renewal.
+
+    Side effects: creates the home, the index tables, and runs pending schema
+    migrations. Thread-safe (one SQLAlchemy session per call).
+
+    Raises:
+        StorageWriteError: the home cannot be created.
+        SchemaVersionError: the index is newer than this chatkv, or not chatkv's.
+    """
+
+    def __init__(
+        self,
+        home: str | os.PathLike[str] | None = None,
+        db_url: str | None = None,
+        *,
+        owner: str | None = None,
+        lease_ttl_s: float = 30.0,
+    ) -> None:
+        self.home = Path(home).expanduser() if home is not None else default_home()
+        ensure_dir(self.home)
+        self.kv_dir = self.home / KV_DIR
+        self.quarantine_dir = self.home / QUARANTINE_DIR
+        self.db_url = db_url or default_db_url(self.home)
+        self.owner = owner or leases.make_owner_id()
+        self.lease_ttl_s = lease_ttl_s
+        self.engine = make_engine(self.db_url)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+        self._leases: dict[str, leases.Lease] = {}
+        self._lock = threading.Lock()
+        self.bytes_written = 0
+        """Bytes of chunk files this Store wrote since it was opened."""
+        try:
+            upgrade(self.engine)
+        except SQLAlchemyError as e:
+            self.engine.dispose()
+            raise StorageError(f"cannot open the index at {self.db_url}: {e}") from e
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[Session]:
+        try:
+            with self._session() as s, s.begin():
+                yield s
+        except SQLAlchemyError as e:
+            cls = StorageWriteError if write else StorageError
+            raise cls(f"index {'write' if write else 'read'} failed: {e}") from e
+
+    def close(self) -> None:
+        """Release this Store's leases and its database connections. Idempotent."""
+        with self._lock:
+            held = list(self._leases.values())
+            self._leases.clear()
+        for lease in held:
+            try:
+                lease.release()
+            except Exception:
+                pass
+        self.engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _get(self, s: Session, session_id: str) -> SessionRow:
+        row = s.get(SessionRow, validate_session_id(session_id))
+        if row is None:
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        return row
+
+    def _session_info(self, s: Session, row: SessionRow) -> SessionInfo:
+        n_msgs = s.scalar(select(func.count()).select_from(MessageRow).where(MessageRow.session_id == row.id)) or 0
+        n_turns = s.scalar(select(func.count()).select_from(MessageRow).where(
+            MessageRow.session_id == row.id, MessageRow.role == "user")) or 0
+        n_chunks = s.scalar(select(func.count()).select_from(SessionChunkRow).where(
+            SessionChunkRow.session_id == row.id)) or 0
+        return SessionInfo(
+            id=row.id, fingerprint=row.fingerprint, system_prompt=row.system_prompt,
+            created_at=row.created_at, updated_at=row.updated_at, last_used_at=row.last_used_at,
+            n_cached=row.n_cached, n_messages=n_msgs, n_turns=n_turns, n_chunks=n_chunks,
+            kv_bytes=row.kv_bytes, tier=row.tier, kv_generation=row.kv_generation,
+        )
+
+    def path_of(self, info: ChunkInfo | str) -> Path:
+        """Absolute path of a chunk file, from its info or hash."""
+        rel = info.relpath if isinstance(info, ChunkInfo) else chunk_relpath(ChunkHash(info))
+        return self.home / rel
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(
+        self, session_id: str, *, fingerprint: str | None = None, system_prompt: str | None = None,
+        create: bool = True,
+    ) -> SessionInfo:
+        """Open a session, creating it if missing (unless ``create=False``).
+
+        An existing session is returned as is (its ``fingerprint`` is that of
+        its KV; compare it and call :meth:`invalidate_kv` on a mismatch); its
+        ``last_used_at`` is set to now. A new one records ``fingerprint`` and
+        ``system_prompt``.
+
+        Raises:
+            InvalidSessionIdError, SessionNotFoundError (``create=False``),
+            SessionLockedError (creating while another owner holds the id).
+        """
+        validate_session_id(session_id)
+        for attempt in range(2):
+            try:
+                with self._tx() as s:
+                    row = s.get(SessionRow, session_id)
+                    now = utcnow()
+                    if row is None:
+                        if not create:
+                            raise SessionNotFoundError(f"no session {session_id!r}")
+                        leases.check_not_locked(s, session_id, self.owner)
+                        row = SessionRow(id=session_id, fingerprint=fingerprint, system_prompt=system_prompt,
+                                         created_at=now, updated_at=now, last_used_at=now, n_cached=0,
+                                         cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
+                        s.add(row)
+                        s.flush()
+                    else:
+                        row.last_used_at = now
+                    return self._session_info(s, row)
+            except StorageWriteError:
+                if attempt:  # a concurrent create won the insert; read it back
+                    raise
+        raise AssertionError("unreachable")
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        """Facts about one session. Raises :class:`SessionNotFoundError`."""
+        with self._tx(write=False) as s:
+            return self._session_info(s, self._get(s, session_id))
+
+    def has_session(self, session_id: str) -> bool:
+        """True if the session exists."""
+        with self._tx(write=False) as s:
+            return s.get(SessionRow, validate_session_id(session_id)) is not None
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """All sessions, most recently used first."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(SessionRow).order_by(SessionRow.last_used_at.desc(), SessionRow.id)).all()
+            return [self._session_info(s, r) for r in rows]
+
+    def touch(self, session_id: str, *, tier: str | None = None) -> None:
+        """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage)."""
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            row.last_used_at = utcnow()
+            if tier is not None:
+                row.tier = tier
+
+    def delete_session(self, session_id: str) -> RemoveResult:
+        """Delete a session, its messages and its KV links, in one transaction.
+
+        Chunk files no other session references are then removed from disk
+        (not left for gc). Releases this Store's lease on it, if held.
+
+        Raises:
+            SessionNotFoundError, SessionLockedError.
+        """
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            hashes = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)))
+            s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == row.id))
+            s.execute(delete(MessageRow).where(MessageRow.session_id == row.id))
+            s.execute(delete(LeaseRow).where(LeaseRow.session_id == row.id))
+            s.delete(row)
+            s.flush()
+            dead = self._drop_unreferenced(s, hashes)
+        with self._lock:
+            lease = self._leases.pop(session_id, None)
+        if lease is not None:
+            lease._released.set()
+        return self._unlink_if_unindexed(dead)
+
+    # ------------------------------------------------------------------ history
+
+    def append_message(
+        self, session_id: str, role: str, content: str, token_span: tuple[int, int] | None = None
+    ) -> MessageRecord:
+        """Append one message to the session's history and commit it.
+
+        Args:
+            token_span: ``(start, end)`` of the message in the session's token ids, if known.
+
+        Raises:
+            SessionNotFoundError, SessionLockedError, StorageWriteError.
+        """
+        if token_span is not None and not (0 <= token_span[0] <= token_span[1]):
+            raise ValueError(f"bad token span {token_span}")
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
+            now = utcnow()
+            m = MessageRow(session_id=row.id, idx=0 if last is None else last + 1, role=role, content=content,
+                           tok_start=token_span[0] if token_span else None,
+                           tok_end=token_span[1] if token_span else None, created_at=now)
+            s.add(m)
+            row.updated_at = row.last_used_at = now
+            return MessageRecord(m.idx, role, content, token_span, now)
+
+    def messages(self, session_id: str) -> list[MessageRecord]:
+        """The session's history, in order."""
+        with self._tx(write=False) as s:
+            row = self._get(s, session_id)
+            ms = s.scalars(select(MessageRow).where(MessageRow.session_id == row.id).order_by(MessageRow.idx))
+            return [MessageRecord(m.idx, m.role, m.content,
+                                  (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
+                                  m.created_at) for m in ms]
+
+    def truncate_history(self, session_id: str, keep: int) -> int:
+        """Delete messages with index >= ``keep`` (for undo/regenerate); return how many went.
+
+        The KV is left alone: the caller re-saves it (a shorter prefix) if needed.
+        """
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            res = s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
+            n = getattr(res, "rowcount", 0)
+            row.updated_at = utcnow()
+            return int(n or 0)
+
+    # ------------------------------------------------------------------ chunks
+
+    def write_chunk(
+        self, token_ids: Sequence[int], tensors: Mapping[str, torch.Tensor], meta: ChunkMeta,
+        *, parent: ChunkHash | None = None,
+    ) -> ChunkInfo:
+        """Write one chunk file (atomically, durably) unless it already exists.
+
+        The hash is ``chunk_hash(parent, token_ids, meta.fingerprint, meta.kv_format)``.
+        No index row is written here: :meth:`save_kv` commits it. An existing
+        file is not rewritten (dedup; ``written == 0``) but its mtime is
+        refreshed so gc's grace period protects it until the commit.
+
+        Raises:
+            StorageWriteError: disk full, read-only home, I/O error (no temp file left).
+        """
+        ids = [int(t) for t in token_ids]
+        h = chunk_hash(parent, ids, meta.fingerprint, meta.kv_format)
+        rel = chunk_relpath(h)
+        path = self.home / rel
+        with self._tx(write=False) as s:
+            row = s.get(ChunkRow, h)
+        try:
+            st = path.stat()
+            if row is None or st.st_size == row.bytes:
+                os.utime(path)
+                return ChunkInfo(h, parent, rel, len(ids), st.st_size, meta.fingerprint, meta.kv_format,
+                                 meta.quant, meta.dtype, int(meta.block_size), 0)
+        except FileNotFoundError:
+            pass
+        data = encode_chunk(h, parent, ids, tensors, meta)
+        atomic_write(path, data)
+        self.bytes_written += len(data)
+        return ChunkInfo(h, parent, rel, len(ids), len(data), meta.fingerprint, meta.kv_format,
+                         meta.quant, meta.dtype, int(meta.block_size), len(data))
+
+    def has_chunk(self, h: str) -> bool:
+        """True if an index row names chunk ``h``."""
+        with self._tx(write=False) as s:
+            return s.get(ChunkRow, h) is not None
+
+    def read_chunk(self, h: str, *, fingerprint: str | None = None, verify: bool = True) -> ChunkFile:
+        """Read and verify an indexed chunk.
+
+        On failure the file is quarantined and sessions using it are cut back to
+        the chunks before it (see :meth:`quarantine_chunk`).
+
+        Raises:
+            MissingChunkError: no row, or no file.
+            CorruptChunkError: the file failed verification.
+        """
+        with self._tx(write=False) as s:
+            row = s.get(ChunkRow, h)
+            info = _info(row) if row is not None else None
+        if info is None:
+            raise MissingChunkError(h, "no such chunk in the index")
+        try:
+            return read_chunk_file(self.path_of(info), info.hash, expected_bytes=info.bytes,
+                                   fingerprint=fingerprint, verify=verify)
+        except CorruptChunkError as e:
+            e.sessions = self.quarantine_chunk(info.hash, e.reason)
+            raise
+
+    def quarantine_chunk(self, h: str, reason: str = "") -> tuple[str, ...]:
+        """Move chunk ``h``'s file to ``<home>/quarantine/`` and drop its rows.
+
+        Every session that used it keeps only its chunks before the first use
+        (``n_cached`` and cached token ids shrink to match); chunks that become
+        unreferenced are removed. Messages are untouched. Returns the ids of the
+        sessions whose KV shrank.
+        """
+        src = self.path_of(h)
+        if src.exists():
+            ensure_dir(self.quarantine_dir)
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+            try:
+                os.replace(src, self.quarantine_dir / f"{h}.{stamp}{CHUNK_SUFFIX}")
+            except OSError:
+                try:
+                    src.unlink()
+                except OSError:
+                    pass
+        with self._tx() as s:
+            users = s.execute(select(SessionChunkRow.session_id, func.min(SessionChunkRow.position))
+                              .where(SessionChunkRow.chunk_hash == h).group_by(SessionChunkRow.session_id)).all()
+            dropped: set[str] = {h}
+            for sid, pos in users:
+                sess = s.get(SessionRow, sid)
+                assert sess is not None
+                links = s.execute(select(SessionChunkRow.position, ChunkRow.hash, ChunkRow.n_tokens, ChunkRow.bytes)
+                                  .join(ChunkRow, ChunkRow.hash == SessionChunkRow.chunk_hash)
+                                  .where(SessionChunkRow.session_id == sid).order_by(SessionChunkRow.position)).all()
+                kept = [l for l in links if l.position < pos]
+                dropped.update(l.hash for l in links if l.position >= pos)
+                s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == sid,
+                                                        SessionChunkRow.position >= pos))
+                n = sum(l.n_tokens for l in kept)
+                sess.cached_ids = sess.cached_ids[: 4 * n]
+                sess.n_cached = n
+                sess.kv_bytes = sum(l.bytes for l in kept)
+                sess.kv_generation += 1
+                sess.updated_at = utcnow()
+            s.flush()
+            dead = self._drop_unreferenced(s, dropped)
+        self._unlink_if_unindexed([d for d in dead if d[0] != h])
+        return tuple(sorted(u[0] for u in users))
+
+    # ------------------------------------------------------------------ KV
+
+    def save_kv(
+        self, session_id: str, *, token_ids: Sequence[int], fingerprint: str,
+        chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk],
+    ) -> SaveResult:
+        """Replace the session's KV with ``chunks``, which cover exactly ``token_ids``, in one transaction.
+
+        ``chunks`` is the session's whole ordered list: hashes or infos of
+        chunks already written (e.g. the unchanged prefix), and/or
+        :class:`NewChunk` payloads written here first (deduplicated). The last
+        one may be partial (the tail). Each chunk's hash must chain:
+        ``chunk_hash(previous hash, its slice of token_ids, fingerprint, kv_format)``.
+        Files are durable before the commit; chunks that lose their last
+        reference are removed from disk after it.
+
+        Raises:
+            ValueError: the chunks do not chain over ``token_ids`` or fingerprints differ.
+            MissingChunkError: a referenced chunk is neither indexed nor on disk.
+            SessionNotFoundError, SessionLockedError, StorageWriteError.
+        """
+        ids = [int(t) for t in token_ids]
+        validate_session_id(session_id)
+        infos: list[ChunkInfo] = []
+        payload: dict[str, tuple[list[int], NewChunk]] = {}
+        parent: ChunkHash | None = None
+        off = 0
+        written = files_written = 0
+        for c in chunks:
+            if isinstance(c, NewChunk):
+                if c.meta.fingerprint != fingerprint:
+                    raise ValueError(f"chunk fingerprint {c.meta.fingerprint!r} != {fingerprint!r}")
+                piece = ids[off: off + c.n_tokens]
+                if len(piece) != c.n_tokens or c.n_tokens <= 0:
+                    raise ValueError(f"chunk of {c.n_tokens} tokens does not fit at offset {off} of {len(ids)}")
+                info = self.write_chunk(piece, c.tensors, c.meta, parent=parent)
+                payload[info.hash] = (piece, c)
+                written += info.written
+                files_written += info.written > 0
+            else:
+                info = c if isinstance(c, ChunkInfo) else self._chunk_info(c)
+                piece = ids[off: off + info.n_tokens]
+                if info.fingerprint != fingerprint:
+                    raise ValueError(f"chunk {info.hash[:12]} has fingerprint {info.fingerprint!r}, not {fingerprint!r}")
+                if len(piece) != info.n_tokens or chunk_hash(parent, piece, fingerprint, info.kv_format) != info.hash:
+                    raise ValueError(f"chunk {info.hash[:12]} does not match token_ids[{off}:{off + info.n_tokens}]")
+            if info.parent != parent:
+                raise ValueError(f"chunk {info.hash[:12]} does not chain from {parent}")
+            infos.append(info)
+            parent = info.hash
+            off += info.n_tokens
+        if off != len(ids):
+            raise ValueError(f"chunks cover {off} tokens but token_ids has {len(ids)}")
+
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            for info in infos:
+                if s.get(ChunkRow, info.hash) is None:
+                    if not self.path_of(info).exists():  # unlinked meanwhile by another session's cleanup
+                        if info.hash not in payload:
+                            raise MissingChunkError(info.hash, "file vanished before the commit")
+                        piece, c = payload[info.hash]
+                        data = encode_chunk(info.hash, info.parent, piece, c.tensors, c.meta)
+                        atomic_write(self.path_of(info), data)
+                        written += len(data)
+                    s.add(chunk_row(info))
+            s.flush()
+            dead = self._set_links(s, row, infos, ids, fingerprint)
+            gen = row.kv_generation
+        removed = self._unlink_if_unindexed(dead)
+        return SaveResult(session_id, gen, len(ids), infos, written, files_written,
+                          removed.files_removed, removed.bytes_removed)
+
+    def _chunk_info(self, h: str) -> ChunkInfo:
+        with self._tx(write=False) as s:
+            row = s.get(ChunkRow, h)
+            if row is not None:
+                return _info(row)
+        # Written by write_chunk but not committed yet: its file's metadata says the rest.
+        path = self.path_of(h)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                md = f.metadata() or {}
+            return ChunkInfo(ChunkHash(h), ChunkHash(md["parent"]) if md.get("parent") else None, chunk_relpath(ChunkHash(h)),
+                             int(md["n_tokens"]), path.stat().st_size, md["fingerprint"], md["kv_format"],
+                             md["quant"], md["dtype"], int(md["block_size"]))
+        except FileNotFoundError:
+            raise MissingChunkError(h, "no such chunk in the index or on disk; write it first") from None
+        except Exception as e:
+            raise CorruptChunkError(h, f"unreadable metadata ({e})") from e
+
+    def _set_links(self, s: Session, row: SessionRow, infos: Sequence[ChunkInfo], ids: Sequence[int],
+                   fingerprint: str | None) -> list[tuple[str, str]]:
+        old = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)))
+        s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == row.id))
+        s.add_all(SessionChunkRow(session_id=row.id, position=i, chunk_hash=info.hash) for i, info in enumerate(infos))
+        now = utcnow()
+        row.fingerprint = fingerprint if infos else row.fingerprint
+        row.n_cached = len(ids)
+        row.cached_ids = pack_token_ids(ids)
+        row.kv_bytes = sum(i.bytes for i in infos)
+        row.kv_generation += 1
+        row.updated_at = row.last_used_at = now
+        s.flush()
+        return self._drop_unreferenced(s, old - {i.hash for i in infos})
+
+    def _drop_unreferenced(self, s: Session, hashes: set[str]) -> list[tuple[str, str]]:
+        """Delete rows of ``hashes`` that no session references; return their (hash, relpath)."""
+        if not hashes:
+            return []
+        still = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.chunk_hash.in_(hashes))))
+        dead = [(r.hash, r.relpath) for r in s.scalars(select(ChunkRow).where(ChunkRow.hash.in_(hashes - still)))]
+        if dead:
+            s.execute(delete(ChunkRow).where(ChunkRow.hash.in_([d[0] for d in dead])))
+        return dead
+
+    def _unlink_if_unindexed(self, dead: Sequence[tuple[str, str]]) -> RemoveResult:
+        """Unlink files of dropped chunks, under the write lock, unless re-indexed meanwhile."""
+        if not dead:
+            return RemoveResult(0, 0)
+        files = nbytes = 0
+        try:
+            with self._tx() as s:
+                back = set(s.scalars(select(ChunkRow.hash).where(ChunkRow.hash.in_([d[0] for d in dead]))))
+                for h, rel in dead:
+                    if h in back:
+                        continue
+                    p = self.home / rel
+                    try:
+                        size = p.stat().st_size
+                        p.unlink()
+                    except OSError:
+                        continue
+                    files += 1
+                    nbytes += size
+        except StorageError:
+            pass  # the commit that dropped them stands; gc reclaims the files later
+        return RemoveResult(files, nbytes)
+
+    def kv_chunks(self, session_id: str) -> list[ChunkInfo]:
+        """The session's ordered chunk list (index facts only; no file access)."""
+        with self._tx(write=False) as s:
+            row = self._get(s, session_id)
+            rows = s.scalars(select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
+                             .where(SessionChunkRow.session_id == row.id).order_by(SessionChunkRow.position))
+            return [_info(r) for r in rows]
+
+    def cached_token_ids(self, session_id: str) -> list[int]:
+        """The token ids the session's KV covers (``tokens[:n_cached]``)."""
+        with self._tx(write=False) as s:
+            return unpack_token_ids(self._get(s, session_id).cached_ids)
+
+    def iter_kv(self, session_id: str, *, fingerprint: str | None = None, verify: bool = True) -> Iterator[LoadedChunk]:
+        """Yield the session's chunks in order, each read and verified as it is reached.
+
+        Lets a caller move chunk ``i`` to the device while chunk ``i + 1`` loads.
+
+        Raises:
+            FingerprintMismatchError: the KV belongs to another fingerprint (nothing is read).
+            CorruptChunkError / MissingChunkError: after quarantining (see :meth:`read_chunk`);
+                chunks already yielded remain a valid prefix.
+        """
+        with self._tx(write=False) as s:
+            row = self._get(s, session_id)
+            if fingerprint is not None and row.n_cached and row.fingerprint != fingerprint:
+                raise FingerprintMismatchError(session_id, row.fingerprint, fingerprint)
+            ids = unpack_token_ids(row.cached_ids)
+        infos = self.kv_chunks(session_id)
+        off = 0
+        for info in infos:
+            f = self.read_chunk(info.hash, fingerprint=fingerprint, verify=verify)
+            if f.token_ids != ids[off: off + info.n_tokens]:
+                sessions = self.quarantine_chunk(info.hash, "tokens differ from the session's")
+                raise CorruptChunkError(info.hash, "tokens differ from the session's cached ids", sessions)
+            off += info.n_tokens
+            yield LoadedChunk(info, f.token_ids, f.tensors)
+
+    def load_kv(self, session_id: str, *, fingerprint: str | None = None, verify: bool = True) -> SessionKV:
+        """Read and verify the session's whole KV (see :meth:`iter_kv` for errors)."""
+        chunks = list(self.iter_kv(session_id, fingerprint=fingerprint, verify=verify))
+        ids = [t for c in chunks for t in c.token_ids]
+        fp = chunks[0].info.fingerprint if chunks else None
+        return SessionKV(validate_session_id(session_id), fp, ids, chunks)
+
+    def invalidate_kv(self, session_id: str) -> RemoveResult:
+        """Drop the session's KV (links, cached ids, fingerprint); keep its messages.
+
+        For a fingerprint mismatch or any reason to re-prefill. Unshared chunk
+        files are removed from disk.
+
+        Raises:
+            SessionNotFoundError, SessionLockedError.
+        """
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            dead = self._set_links(s, row, [], [], None)
+            row.fingerprint = None
+        return self._unlink_if_unindexed(dead)
+
+    # ------------------------------------------------------------------ accounting
+
+    def session_bytes(self, session_id: str) -> SessionBytes:
+        """Disk bytes of the session's KV; ``unique`` counts chunks no other session uses."""
+        with self._tx(write=False) as s:
+            row = self._get(s, session_id)
+            mine = select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)
+            shared_hashes = set(s.scalars(select(SessionChunkRow.chunk_hash).where(
+                SessionChunkRow.chunk_hash.in_(mine), SessionChunkRow.session_id != row.id)))
+            sizes = s.execute(select(ChunkRow.hash, ChunkRow.bytes).join(
+                SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash).where(SessionChunkRow.session_id == row.id)).all()
+        total = sum(b for _, b in sizes)
+        shared = sum(b for h, b in sizes if h in shared_hashes)
+        return SessionBytes(total, total - shared, shared)
+
+    def disk_usage(self) -> DiskUsage:
+        """Index totals, plus what is actually on disk under ``kv/`` and ``quarantine/``."""
+        with self._tx(write=False) as s:
+            n_chunks, indexed = s.execute(select(func.count(), func.coalesce(func.sum(ChunkRow.bytes), 0))).one()
+        files = [p for p in self.kv_dir.glob(f"*/*{CHUNK_SUFFIX}")] if self.kv_dir.exists() else []
+        quar = list(self.quarantine_dir.iterdir()) if self.quarantine_dir.exists() else []
+        return DiskUsage(int(n_chunks), int(indexed), len(files), sum(_size(p) for p in files),
+                         len(quar), sum(_size(p) for p in quar))
+
+    # ------------------------------------------------------------------ leases
+
+    def acquire_lease(self, session_id: str, *, timeout_s: float = 0.0, ttl_s: float | None = None,
+                      auto_renew: bool = True) -> leases.Lease:
+        """Take the session's lease for this Store's owner, waiting up to ``timeout_s``.
+
+        Other owners' writes to the session then fail with
+        :class:`SessionLockedError`, as does their ``acquire_lease``. An expired
+        lease, or one whose owner process is dead on this host, is taken over.
+        :meth:`close` releases it.
+
+        Raises:
+            SessionLockedError: another live owner holds it past ``timeout_s``.
+        """
+        validate_session_id(session_id)
+        try:
+            lease = leases.acquire(self._session, session_id, self.owner, ttl_s=ttl_s or self.lease_ttl_s,
+                                   timeout_s=timeout_s, auto_renew=auto_renew)
+        except SQLAlchemyError as e:
+            raise StorageWriteError(f"index write failed: {e}") from e
+        with self._lock:
+            self._leases[session_id] = lease
+        return lease
+
+    def release_lease(self, session_id: str) -> None:
+        """Release this Store's lease on ``session_id`` if it holds one."""
+        with self._lock:
+            lease = self._leases.pop(session_id, None)
+        if lease is not None:
+            lease.release()
+
+    # ------------------------------------------------------------------ bundles and gc
+
+    def export_session(self, session_id: str, dest: str | os.PathLike[str]) -> Path:
+        """Write ``dest/history.json`` and ``dest/kv.safetensors``; see :mod:`.bundle`."""
+        from .bundle import export_session
+
+        return export_session(self, session_id, Path(dest))
+
+    def import_session(self, src: str | os.PathLike[str], *, session_id: str | None = None,
+                       overwrite: bool = False) -> SessionInfo:
+        """Import a bundle made by :meth:`export_session`; see :mod:`.bundle`."""
+        from .bundle import import_session
+
+        return import_session(self, Path(src), session_id=session_id, overwrite=overwrite)
+
+    def gc(self, *, dry_run: bool = True, grace_s: float = 600.0) -> GcReport:
+        """Find (and unless ``dry_run`` remove) orphan/temp files, dangling and unreferenced rows; see :mod:`.gc`."""
+        from .gc import collect
+
+        return collect(self, dry_run=dry_run, grace_s=grace_s)
+
+    def verify_chunks(self) -> list[CorruptChunkError]:
+        """Read and verify every indexed chunk; corrupt ones are quarantined and returned."""
+        with self._tx(write=False) as s:
+            hashes = list(s.scalars(select(ChunkRow.hash)))
+        bad: list[CorruptChunkError] = []
+        for h in hashes:
+            if not self.has_chunk(h):  # dropped along with an earlier bad chunk
+                continue
+            try:
+                self.read_chunk(h)
+            except CorruptChunkError as e:
+                bad.append(e)
+        return bad
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0

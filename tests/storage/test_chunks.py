@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from chatkv.storage import (
+    ChunkMeta,
+    CorruptChunkError,
+    FingerprintMismatchError,
+    MissingChunkError,
+    NewChunk,
+    Store,
+    chunk_hash,
+)
+from safetensors import safe_open
+
+from .conftest import CHUNK, FP, META, kv_files, kv_for, new_chunks
+
+
+def _turn(store: Store, sid: str, ids: list[int]):
+    """Save like the engine does: keep the full chunks already stored, write the rest."""
+    keep = [c for c in store.kv_chunks(sid) if c.n_tokens == CHUNK]
+    keep = keep[: min(len(keep), len(ids) // CHUNK)]
+    return store.save_kv(sid, token_ids=ids, fingerprint=FP, chunks=[c.hash for c in keep] + new_chunks(ids, CHUNK * len(keep)))
+
+
+def test_chunk_file_metadata_and_roundtrip(store: Store, home: Path) -> None:
+    ids = list(range(40))
+    meta = ChunkMeta(FP, "paged-v1", "bfloat16", 16, "int8", extra={"group": "32"})
+    t = {"k": torch.randn(2, 3, 16, 2, 8).to(torch.bfloat16), "scale": torch.rand(2, 3), "mask": torch.ones(4, dtype=torch.bool)}
+    info = store.write_chunk(ids, t, meta)
+    assert info.hash == chunk_hash(None, ids, FP, "paged-v1") and info.written == info.bytes > 0
+    path = home / "kv" / info.hash[:2] / f"{info.hash}.safetensors"
+    assert store.path_of(info) == path and path.exists()
+    with safe_open(str(path), framework="pt") as f:
+        md = f.metadata()
+    assert md["format"] == "chatkv.kv_chunk" and md["format_version"] == "1"
+    assert (md["fingerprint"], md["dtype"], md["block_size"], md["n_tokens"], md["quant"]) == (FP, "bfloat16", "16", "40", "int8")
+    assert md["chunk_hash"] == info.hash and md["parent"] == "" and md["x.group"] == "32"
+    assert md["checksum"].startswith("sha256:") and int(md["payload_bytes"]) > 0
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[info.hash])
+    back = store.read_chunk(info.hash, fingerprint=FP)
+    assert back.token_ids == ids and set(back.tensors) == set(t)
+    for k in t:
+        assert back.tensors[k].dtype == t[k].dtype and torch.equal(back.tensors[k], t[k])
+    # a view into a bigger buffer (as a pool slice would be) is stored as itself
+    pool = torch.randn(8, 16, 2, 8)
+    info2 = store.write_chunk([1, 2], {"kv": pool[2:4]}, META)
+    store.save_kv("s", token_ids=[1, 2], fingerprint=FP, chunks=[info2])
+    assert torch.equal(store.read_chunk(info2.hash).tensors["kv"], pool[2:4])
+
+
+def test_shared_system_prompt_is_stored_once_across_10_sessions(store: Store, home: Path) -> None:
+    system = list(range(100, 100 + 2 * CHUNK))  # two full chunks of system prompt
+    saves = []
+    for i in range(10):
+        sid = f"user-{i}"
+        store.open_session(sid, fingerprint=FP)
+        ids = system + [9000 + i] * 10  # each session's own tail
+        saves.append(store.save_kv(sid, token_ids=ids, fingerprint=FP, chunks=new_chunks(ids)))
+    files = kv_files(home)
+    assert len(files) == 2 + 10  # 2 shared chunks + 10 tails
+    shared_bytes = sum(c.bytes for c in saves[0].chunks[:2])
+    tail_bytes = sum(s.chunks[2].bytes for s in saves)
+    assert sum(p.stat().st_size for p in files) == shared_bytes + tail_bytes
+    assert saves[0].bytes_written == shared_bytes + saves[0].chunks[2].bytes
+    for s in saves[1:]:  # later sessions only wrote their tail
+        assert s.bytes_written == s.chunks[2].bytes and s.files_written == 1
+    sb = store.session_bytes("user-3")
+    assert sb.total == shared_bytes + saves[3].chunks[2].bytes and sb.shared == shared_bytes
+    assert store.disk_usage().indexed_bytes == store.disk_usage().file_bytes == shared_bytes + tail_bytes
+
+
+def test_saving_turn_k_writes_only_the_chunks_it_completed(store: Store, home: Path) -> None:
+    store.open_session("long", fingerprint=FP)
+    ids: list[int] = []
+    sizes = []
+    for k in range(6):
+        ids = ids + list(range(len(ids), len(ids) + 50))  # 50 new tokens per turn
+        before = store.bytes_written
+        r = _turn(store, "long", ids)
+        new = [c for c in r.chunks if c.written]
+        assert store.bytes_written - before == r.bytes_written == sum(c.bytes for c in new)
+        full_before = (len(ids) - 50) // CHUNK
+        # new files = chunks completed this turn + the new tail; the old prefix is untouched
+        assert all(c.n_tokens == CHUNK for c in r.chunks[:-1])
+        assert len(new) == len(r.chunks) - full_before
+        sizes.append(r.bytes_written)
+        assert len(kv_files(home)) == len(r.chunks)  # old tails were removed
+    assert max(sizes) < 3 * sizes[0]  # cost per turn does not grow with the history
+    kv = store.load_kv("long", fingerprint=FP)
+    assert kv.token_ids == ids and store.get_session("long").n_cached == len(ids) == 300
+
+
+def test_load_kv_returns_tensors_in_order(store: Store) -> None:
+    ids = list(range(150))
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    kv = store.load_kv("s", fingerprint=FP)
+    assert [c.info.n_tokens for c in kv.chunks] == [64, 64, 22]
+    for c in kv.chunks:
+        assert torch.equal(c.tensors["kv"], kv_for(c.token_ids)["kv"])
+
+
+def test_save_kv_rejects_chunks_that_do_not_chain_over_the_tokens(store: Store) -> None:
+    store.open_session("s")
+    ids = list(range(128))
+    r = store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    with pytest.raises(ValueError, match="does not match"):
+        store.save_kv("s", token_ids=[7] + ids[1:], fingerprint=FP, chunks=[c.hash for c in r.chunks])
+    with pytest.raises(ValueError, match="cover 64 tokens"):
+        store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[r.chunks[0].hash])
+    with pytest.raises(ValueError):
+        store.save_kv("s", token_ids=ids[64:], fingerprint=FP, chunks=[r.chunks[1].hash])  # wrong parent
+    with pytest.raises(MissingChunkError):
+        store.save_kv("s", token_ids=ids[:3], fingerprint=FP, chunks=["ab" * 32])
+    assert store.load_kv("s").token_ids == ids  # failed saves changed nothing
+
+
+def test_fingerprint_mismatch_and_invalidate_keep_history(store: Store, home: Path) -> None:
+    store.open_session("s", fingerprint=FP)
+    store.append_message("s", "user", "hello")
+    ids = list(range(70))
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    with pytest.raises(FingerprintMismatchError, match="re-prefilled"):
+        store.load_kv("s", fingerprint="another-model")
+    res = store.invalidate_kv("s")
+    assert res.files_removed == 2 and kv_files(home) == []
+    info = store.get_session("s")
+    assert (info.n_cached, info.n_chunks, info.kv_bytes, info.fingerprint) == (0, 0, 0, None)
+    assert [m.content for m in store.messages("s")] == ["hello"]
+    assert store.load_kv("s", fingerprint="another-model").chunks == []
+
+
+def _corrupt_flip(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[-5] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+def _corrupt_truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _corrupt_header(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[10:20] = b"x" * 10
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damage", [_corrupt_flip, _corrupt_truncate, _corrupt_header, Path.unlink])
+def test_corrupt_or_missing_chunk_is_quarantined_and_history_survives(store: Store, home: Path, damage) -> None:
+    store.open_session("s", fingerprint=FP)
+    store.open_session("t", fingerprint=FP)
+    for i in range(3):
+        store.append_message("s", "user", f"m{i}")
+    ids = list(range(200))
+    r = store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    store.save_kv("t", token_ids=ids[:128], fingerprint=FP, chunks=[c.hash for c in r.chunks[:2]])
+    bad = r.chunks[1]
+    damage(store.path_of(bad))
+    with pytest.raises(CorruptChunkError) as ei:
+        store.load_kv("s", fingerprint=FP)
+    assert ei.value.chunk_hash == bad.hash and ei.value.sessions == ("s", "t")
+    if damage is Path.unlink:
+        assert isinstance(ei.value, MissingChunkError)
+    else:
+        assert [p.name.split(".")[0] for p in (home / "quarantine").iterdir()] == [bad.hash]
+    assert not store.path_of(bad).exists() and not store.has_chunk(bad.hash)
+    # both sessions keep the valid prefix before the bad chunk; the chunks after it are gone
+    for sid in ("s", "t"):
+        kv = store.load_kv(sid, fingerprint=FP)
+        assert kv.token_ids == ids[:64] and store.get_session(sid).n_cached == 64
+    assert [p.name for p in kv_files(home)] == [f"{r.chunks[0].hash}.safetensors"]
+    assert [m.content for m in store.messages("s")] == ["m0", "m1", "m2"]
+    # and the session can be saved again in full
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[r.chunks[0].hash] + new_chunks(ids, 64))
+    assert store.load_kv("s").token_ids == ids
+
+
+def test_a_file_swapped_for_another_valid_chunk_is_detected(store: Store) -> None:
+    store.open_session("s")
+    ids = list(range(128))
+    r = store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    a, b = (store.path_of(c) for c in r.chunks)
+    b.write_bytes(a.read_bytes())  # same size, valid file, wrong content
+    with pytest.raises(CorruptChunkError, match="size is|says it is chunk"):
+        store.load_kv("s")
+
+
+def test_verify_chunks_reports_and_quarantines(store: Store) -> None:
+    store.open_session("s")
+    ids = list(range(128))
+    r = store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    assert store.verify_chunks() == []
+    _corrupt_flip(store.path_of(r.chunks[0]))
+    bad = store.verify_chunks()
+    assert [e.chunk_hash for e in bad] == [r.chunks[0].hash]
+    assert store.get_session("s").n_cached == 0
+
+
+def test_dedup_skips_rewrite_but_heals_a_truncated_indexed_file(store: Store) -> None:
+    ids = list(range(64))
+    store.open_session("s")
+    r = store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    again = store.write_chunk(ids, kv_for(ids), META)
+    assert again.written == 0
+    p = store.path_of(again)
+    p.write_bytes(p.read_bytes()[:50])
+    healed = store.write_chunk(ids, kv_for(ids), META)
+    assert healed.written == healed.bytes == r.chunks[0].bytes
+    assert store.load_kv("s").token_ids == ids
+
+
+def test_new_chunk_with_wrong_fingerprint_is_refused(store: Store) -> None:
+    store.open_session("s")
+    other = ChunkMeta("other", "paged-v1", "float32", 16)
+    with pytest.raises(ValueError, match="fingerprint"):
+        store.save_kv("s", token_ids=[1, 2], fingerprint=FP, chunks=[NewChunk(2, kv_for([1, 2]), other)])

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from chatkv.storage import (
+    SCHEMA_VERSION,
+    SchemaVersionError,
+    SessionNotFoundError,
+    Store,
+    pack_token_ids,
+)
+from sqlalchemy import text
+
+from .conftest import FP, new_chunks
+
+# The v1 schema exactly as chatkv 0.1 created it (written out by hand on purpose).
+V1_DDL = """
+CREATE TABLE chatkv_schema (version INTEGER PRIMARY KEY, description VARCHAR(200) NOT NULL, applied_at DATETIME NOT NULL);
+CREATE TABLE chatkv_sessions (
+    id VARCHAR(128) PRIMARY KEY, fingerprint VARCHAR(200), system_prompt TEXT,
+    created_at DATETIME NOT NULL, updated_at DATETIME NOT NULL, last_used_at DATETIME NOT NULL,
+    n_cached INTEGER NOT NULL, cached_ids BLOB NOT NULL, kv_bytes INTEGER NOT NULL, tier VARCHAR(32) NOT NULL);
+CREATE TABLE chatkv_messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, session_id VARCHAR(128) NOT NULL REFERENCES chatkv_sessions(id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL, role VARCHAR(32) NOT NULL, content TEXT NOT NULL, tok_start INTEGER, tok_end INTEGER,
+    created_at DATETIME NOT NULL, CONSTRAINT uq_chatkv_messages_session_idx UNIQUE (session_id, idx));
+CREATE TABLE chatkv_chunks (
+    hash VARCHAR(64) PRIMARY KEY, parent VARCHAR(64), relpath VARCHAR(255) NOT NULL, n_tokens INTEGER NOT NULL,
+    bytes INTEGER NOT NULL, fingerprint VARCHAR(200) NOT NULL, kv_format VARCHAR(64) NOT NULL, quant VARCHAR(64) NOT NULL,
+    dtype VARCHAR(32) NOT NULL, block_size INTEGER NOT NULL, created_at DATETIME NOT NULL);
+CREATE TABLE chatkv_session_chunks (
+    session_id VARCHAR(128) NOT NULL REFERENCES chatkv_sessions(id) ON DELETE CASCADE, position INTEGER NOT NULL,
+    chunk_hash VARCHAR(64) NOT NULL REFERENCES chatkv_chunks(hash), PRIMARY KEY (session_id, position));
+INSERT INTO chatkv_schema VALUES (1, 'sessions, messages, chunks, session_chunks', '2025-01-01 00:00:00');
+"""
+
+
+def _make_v1(db: Path) -> None:
+    con = sqlite3.connect(db)
+    con.executescript(V1_DDL)
+    con.execute(
+        "INSERT INTO chatkv_sessions VALUES ('old-1', 'fp-old', 'Be terse.', '2025-01-01 00:00:00',"
+        " '2025-01-01 00:00:00', '2025-01-02 00:00:00', 3, ?, 0, 'disk')", (pack_token_ids([5, 6, 7]),))
+    con.execute("INSERT INTO chatkv_messages (session_id, idx, role, content, tok_start, tok_end, created_at)"
+                " VALUES ('old-1', 0, 'user', 'hello from v1', 0, 3, '2025-01-01 00:00:00')")
+    con.commit()
+    con.close()
+
+
+def test_v1_database_is_upgraded_in_place_keeping_data(home: Path) -> None:
+    home.mkdir()
+    _make_v1(home / "index.db")
+    with Store(home) as st:
+        with st.engine.connect() as c:
+            versions = [r[0] for r in c.execute(text("SELECT version FROM chatkv_schema ORDER BY version"))]
+            cols = {r[1] for r in c.execute(text("PRAGMA table_info(chatkv_sessions)"))}
+            tables = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type='table'"))}
+        assert versions == list(range(1, SCHEMA_VERSION + 1)) and SCHEMA_VERSION >= 2
+        assert "kv_generation" in cols and "chatkv_leases" in tables
+        info = st.get_session("old-1")
+        assert (info.fingerprint, info.system_prompt, info.n_cached, info.kv_generation) == ("fp-old", "Be terse.", 3, 0)
+        assert [m.content for m in st.messages("old-1")] == ["hello from v1"]
+        assert st.messages("old-1")[0].token_span == (0, 3)
+        assert st.cached_token_ids("old-1") == [5, 6, 7]
+        # the upgraded database is fully usable: leases (v2) and appends
+        with st.acquire_lease("old-1", auto_renew=False):
+            st.append_message("old-1", "assistant", "hi")
+        assert len(st.messages("old-1")) == 2
+    with Store(home) as st:  # reopening an up-to-date DB is a no-op
+        assert st.get_session("old-1").n_messages == 2
+
+
+def test_newer_schema_is_refused_clearly(home: Path) -> None:
+    Store(home).close()
+    con = sqlite3.connect(home / "index.db")
+    con.execute("INSERT INTO chatkv_schema VALUES (?, 'from the future', '2030-01-01 00:00:00')", (SCHEMA_VERSION + 5,))
+    con.commit()
+    con.close()
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 5}, newer .*upgrade chatkv"):
+        Store(home)
+
+
+def test_foreign_tables_without_version_are_refused(home: Path) -> None:
+    home.mkdir()
+    con = sqlite3.connect(home / "index.db")
+    con.execute("CREATE TABLE chatkv_sessions (id TEXT)")
+    con.commit()
+    con.close()
+    with pytest.raises(SchemaVersionError, match="no chatkv_schema"):
+        Store(home)
+
+
+def test_sqlite_pragmas_wal_and_foreign_keys(store: Store) -> None:
+    with store.engine.connect() as c:
+        assert c.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert c.execute(text("PRAGMA foreign_keys")).scalar() == 1
+
+
+def test_env_overrides_home_and_db_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path / "h1"))
+    with Store() as st:
+        assert st.home == tmp_path / "h1" and (tmp_path / "h1" / "index.db").exists()
+    monkeypatch.setenv("CHATKV_DB_URL", f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    with Store() as st:
+        st.open_session("s")
+    assert (tmp_path / "elsewhere.db").exists()
+    with Store(db_url=f"sqlite:///{tmp_path / 'explicit.db'}") as st:
+        assert st.db_url.endswith("explicit.db") and not st.has_session("s")
+
+
+def test_default_home_is_platform_user_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    import platformdirs
+    from chatkv.storage import default_home
+
+    monkeypatch.delenv("CHATKV_HOME")
+    assert default_home() == Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+def test_sessions_messages_and_listing(store: Store) -> None:
+    info = store.open_session("s1", fingerprint=FP, system_prompt="sys")
+    assert (info.id, info.n_messages, info.n_cached, info.tier) == ("s1", 0, 0, "none")
+    store.open_session("s2")
+    for role, text_ in [("system", "sys"), ("user", "q1"), ("assistant", "a1"), ("user", "q2")]:
+        store.append_message("s1", role, text_, (0, 1))
+    store.touch("s1", tier="device")
+    assert [m.index for m in store.messages("s1")] == [0, 1, 2, 3]
+    ls = {s.id: s for s in store.list_sessions()}
+    assert ls["s1"].n_turns == 2 and ls["s1"].n_messages == 4 and ls["s1"].tier == "device"
+    assert store.list_sessions()[0].id == "s1"  # most recently used first
+    # reopening keeps everything and does not recreate
+    again = store.open_session("s1", fingerprint="other", system_prompt="other")
+    assert again.fingerprint == FP and again.system_prompt == "sys" and again.n_messages == 4
+    assert store.truncate_history("s1", 2) == 2
+    assert [m.content for m in store.messages("s1")] == ["sys", "q1"]
+    with pytest.raises(SessionNotFoundError, match="nope"):
+        store.open_session("nope", create=False)
+    with pytest.raises(SessionNotFoundError):
+        store.append_message("nope", "user", "x")
+
+
+def test_delete_session_removes_rows_and_unshared_files(store: Store, home: Path) -> None:
+    shared = list(range(64))
+    for sid, tail in [("a", [1000, 1001]), ("b", [2000])]:
+        store.open_session(sid)
+        store.append_message(sid, "user", "hi")
+        ids = shared + tail
+        store.save_kv(sid, token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    before = store.disk_usage()
+    assert before.n_files == 3  # shared chunk + two tails
+    res = store.delete_session("a")
+    assert res.files_removed == 1 and res.bytes_removed > 0
+    assert not store.has_session("a") and store.disk_usage().n_files == 2
+    with store.engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM chatkv_messages WHERE session_id='a'")).scalar() == 0
+    assert store.load_kv("b").token_ids == shared + [2000]
