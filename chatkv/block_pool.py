@@ -271,6 +271,39 @@ class BlockPool:
                 self.block_hash[block] = h
                 self.block_tokens[block] = chunk
 
+    def write_tokens(self, seq: "Sequence", token_ids: Seq[int], kv: torch.Tensor) -> None:
+        """Append tokens whose K/V are already known (restored from a lower tier).
+
+        ``kv`` is ``[num_layers, 2, len(token_ids), kv_heads, head_dim]``; it is
+        copied into the pool in one indexed write (no per-token loop) and the
+        tokens count as computed. All-or-nothing like :meth:`prepare_write`.
+        """
+        n = len(token_ids)
+        L, two, nb, bs, h, d = self.kv.shape
+        assert kv.shape == (L, two, n, h, d), f"restored KV {tuple(kv.shape)} does not fit the pool {(L, two, n, h, d)}"
+        assert seq.num_computed == len(seq.token_ids), "write_tokens appends after fully computed tokens"
+        seq.token_ids.extend(token_ids)
+        try:
+            slots = self.prepare_write(seq, n)
+        except Exception:
+            del seq.token_ids[seq.num_computed :]
+            raise
+        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
+        flat = self.kv.view(L, two, nb * bs, h, d)
+        flat.index_copy_(2, index, kv.to(device=self.kv.device, dtype=self.kv.dtype, non_blocking=True))
+        self.commit(seq, n)
+
+    def read_tokens(self, seq: "Sequence", start: int, count: int) -> torch.Tensor:
+        """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,
+        as ``[num_layers, 2, count, kv_heads, head_dim]`` on the pool's device."""
+        assert 0 <= start and start + count <= seq.num_computed, (start, count, seq.num_computed)
+        L, two, nb, bs, h, d = self.kv.shape
+        first, last = start // bs, (start + count - 1) // bs
+        blocks = torch.tensor(seq.block_table[first : last + 1], dtype=torch.long, device=self.kv.device)
+        gathered = self.kv.index_select(2, blocks).reshape(L, two, -1, h, d)
+        off = start - first * bs
+        return gathered[:, :, off : off + count].contiguous()
+
     def truncate(self, seq: "Sequence", num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` computed tokens of ``seq``, releasing
         the blocks past them. A block left partially valid stays shared or cached

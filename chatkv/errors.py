@@ -12,7 +12,8 @@ class InvalidMessageError(ChatKVError, ValueError):
 
 
 class InvalidSessionIdError(ChatKVError, ValueError):
-    """A session id is too long, empty, or has characters outside ``[A-Za-z0-9._-]``."""
+    """A session id is too long, empty, starts with ``.``, or has characters
+    outside ``[A-Za-z0-9._-]``."""
 
 
 class ContextWindowExceededError(ChatKVError, ValueError):
@@ -38,3 +39,8 @@ class ConfigError(ChatKVError, ValueError):
 
 class SessionBusyError(ChatKVError, RuntimeError):
     """The session already has a turn in flight (or is closed)."""
+
+
+class ChatKVWarning(UserWarning):
+    """Something was recovered from without losing the conversation: a cache made
+    by another model, a corrupt chunk, a save that failed (full disk)."""

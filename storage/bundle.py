@@ -4,7 +4,7 @@
 
     {"format": "chatkv.session_bundle", "version": 1,
      "session": {"id", "fingerprint", "system_prompt", "created_at", "tier"},
-     "messages": [{"index", "role", "content", "token_span", "created_at"}],
+     "messages": [{"index", "role", "content", "token_span", "created_at", "partial"}],
      "cached_token_ids": [...],
      "chunks": [{"hash", "parent", "n_tokens", "metadata": {<chunk file metadata>}}],
      "kv_file": "kv.safetensors" | null, "kv_sha256": "<hex>" | null}
@@ -39,7 +39,7 @@ from .errors import BundleError, CorruptChunkError, SessionExistsError
 from .hashing import ChunkHash, chunk_hash, is_chunk_hash, pack_token_ids
 from .ids import validate_session_id
 from .records import ChunkInfo, NewChunk, SessionInfo
-from .schema import ChunkRow, MessageRow, SessionRow, utcnow
+from .schema import MESSAGE_PARTIAL, ChunkRow, MessageRow, SessionRow, utcnow
 from .store import chunk_row
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def export_session(store: "Store", session_id: str, dest: Path) -> Path:
                     "tier": info.tier},
         "messages": [{"index": m.index, "role": m.role, "content": m.content,
                       "token_span": list(m.token_span) if m.token_span else None,
-                      "created_at": m.created_at.isoformat()} for m in store.messages(session_id)],
+                      "created_at": m.created_at.isoformat(), "partial": m.partial}
+                     for m in store.messages(session_id)],
         "cached_token_ids": kv.token_ids,
         "chunks": chunks,
         "kv_file": KV_FILE if chunks else None,
@@ -218,7 +219,8 @@ def import_session(store: "Store", src: Path, *, session_id: str | None, overwri
             span = m.get("token_span")
             s.add(MessageRow(session_id=sid, idx=n, role=m["role"], content=m["content"],
                              tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                             created_at=_parse_time(m.get("created_at")) or now))
+                             created_at=_parse_time(m.get("created_at")) or now,
+                             flags=MESSAGE_PARTIAL if m.get("partial") else 0))
         for info in infos:
             if s.get(ChunkRow, info.hash) is None:
                 s.add(chunk_row(info))

@@ -63,9 +63,14 @@ def _v2_leases_and_generation(conn: Connection) -> None:
     )
 
 
+def _v3_message_flags(conn: Connection) -> None:
+    conn.exec_driver_sql("ALTER TABLE chatkv_messages ADD COLUMN flags INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
     Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
+    Migration(3, "messages.flags (bit 0: a reply cut short)", _v3_message_flags),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 

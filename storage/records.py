@@ -41,6 +41,7 @@ class MessageRecord:
     content: str
     token_span: tuple[int, int] | None
     created_at: datetime
+    partial: bool = False
 
 
 @dataclass(frozen=True)

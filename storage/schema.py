@@ -76,6 +76,9 @@ class SessionRow(Base):
     kv_generation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
+MESSAGE_PARTIAL = 1
+
+
 class MessageRow(Base):
     """One message of a session's history (the source of truth)."""
 
@@ -91,6 +94,8 @@ class MessageRow(Base):
     tok_start: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tok_end: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: Bit field; :data:`MESSAGE_PARTIAL` marks a reply cut short (Ctrl-C).
+    flags: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ChunkRow(Base):

@@ -68,7 +68,7 @@ from .records import (
     SessionInfo,
     SessionKV,
 )
-from .schema import ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
+from .schema import MESSAGE_PARTIAL, ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
 
 
 def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
@@ -279,12 +279,14 @@ class Store:
     # ------------------------------------------------------------------ history
 
     def append_message(
-        self, session_id: str, role: str, content: str, token_span: tuple[int, int] | None = None
+        self, session_id: str, role: str, content: str, token_span: tuple[int, int] | None = None,
+        *, partial: bool = False,
     ) -> MessageRecord:
         """Append one message to the session's history and commit it.
 
         Args:
             token_span: ``(start, end)`` of the message in the session's token ids, if known.
+            partial: the message is a reply cut short (e.g. by Ctrl-C).
 
         Raises:
             SessionNotFoundError, SessionLockedError, StorageWriteError.
@@ -298,10 +300,11 @@ class Store:
             now = utcnow()
             m = MessageRow(session_id=row.id, idx=0 if last is None else last + 1, role=role, content=content,
                            tok_start=token_span[0] if token_span else None,
-                           tok_end=token_span[1] if token_span else None, created_at=now)
+                           tok_end=token_span[1] if token_span else None, created_at=now,
+                           flags=MESSAGE_PARTIAL if partial else 0)
             s.add(m)
             row.updated_at = row.last_used_at = now
-            return MessageRecord(m.idx, role, content, token_span, now)
+            return MessageRecord(m.idx, role, content, token_span, now, partial)
 
     def messages(self, session_id: str) -> list[MessageRecord]:
         """The session's history, in order."""
@@ -310,7 +313,7 @@ class Store:
             ms = s.scalars(select(MessageRow).where(MessageRow.session_id == row.id).order_by(MessageRow.idx))
             return [MessageRecord(m.idx, m.role, m.content,
                                   (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
-                                  m.created_at) for m in ms]
+                                  m.created_at, bool(m.flags & MESSAGE_PARTIAL)) for m in ms]
 
     def truncate_history(self, session_id: str, keep: int) -> int:
         """Delete messages with index >= ``keep`` (for undo/regenerate); return how many went.

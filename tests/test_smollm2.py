@@ -89,3 +89,60 @@ def test_shared_system_prompt_is_prefilled_once(engine):
     a.close()
     b.close()
     assert engine.pool.num_available == start
+
+
+_PROCESS_SCRIPT = r"""
+import json, sys, torch
+torch.set_num_threads(2)
+from chatkv import Chat, EngineConfig
+turns = json.loads(sys.argv[1])
+chat = Chat("smol-restart", system=sys.argv[2], max_new_tokens=int(sys.argv[3]),
+            engine_config=EngineConfig(kv_budget_bytes=256 << 20))
+info = chat.wait_restored()
+out = {"restore": info.source, "restored_tokens": info.cached_tokens, "turns": []}
+for text in turns:
+    chat.send(text)
+    s = chat.last_stats
+    out["turns"].append({"ids": chat.last_generation.token_ids, "reused": s.reused_tokens,
+                         "prefilled": s.prefilled_tokens, "prompt": s.prompt_tokens})
+out["cached"] = chat.num_cached_tokens
+chat.close()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _run_process(turns, home):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CHATKV_HOME=str(home))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROCESS_SCRIPT, json.dumps(turns), SYSTEM, str(MAX_NEW)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_resume_in_a_new_process_prefills_only_the_new_turn(engine, smollm2_reference, chatkv_home):
+    first = _run_process(TURNS[:2], chatkv_home)
+    assert first["restore"] == "new"
+    second = _run_process(TURNS[2:], chatkv_home)
+    assert second["restore"] == "disk" and second["restored_tokens"] == first["cached"]
+    turn3 = second["turns"][0]
+    assert turn3["reused"] == first["cached"]
+    assert turn3["prefilled"] == turn3["prompt"] - first["cached"] < 40
+
+    # The same three turns in one process (no persistence) ...
+    single = Chat("smol-single", system=SYSTEM, engine=engine, persist=False, max_new_tokens=MAX_NEW)
+    for text in TURNS:
+        single.send(text)
+    assert turn3["ids"] == single.last_generation.token_ids
+    # ... and transformers re-prefilling the whole history.
+    history = single.messages[:-1]
+    want, _, _ = stock_turn(smollm2_reference, engine.tokenizer, history)
+    assert turn3["ids"] == want
+    single.close()
