@@ -256,7 +256,8 @@ class BlockPool:
 
     def commit(self, seq: "Sequence", num_new: int) -> None:
         """Record that ``num_new`` tokens after ``seq.num_computed`` now have KV in
-        their slots; blocks this fills get their content hash and become shareable."""
+        their slots; blocks this fills get their content hash and, if ``seq`` is
+        exact, become shareable."""
         bs = self.block_size
         seq.num_computed += num_new
         assert seq.num_computed <= len(seq.token_ids)
@@ -266,17 +267,19 @@ class BlockPool:
             h = block_hash(parent, chunk, self.namespace)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
-            if h not in self.hash_to_block:
+            if seq.exact and h not in self.hash_to_block:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = chunk
 
-    def write_tokens(self, seq: "Sequence", token_ids: Seq[int], kv: torch.Tensor) -> None:
+    def write_tokens(self, seq: "Sequence", token_ids: Seq[int], kv: torch.Tensor, exact: bool = True) -> None:
         """Append tokens whose K/V are already known (restored from a lower tier).
 
         ``kv`` is ``[num_layers, 2, len(token_ids), kv_heads, head_dim]``; it is
         copied into the pool in one indexed write (no per-token loop) and the
         tokens count as computed. All-or-nothing like :meth:`prepare_write`.
+        ``exact=False`` (KV from a lossy tier) marks ``seq`` inexact, so these
+        blocks are never shared by hash.
         """
         n = len(token_ids)
         L, two, nb, bs, h, d = self.kv.shape
@@ -291,6 +294,8 @@ class BlockPool:
         index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
         flat = self.kv.view(L, two, nb * bs, h, d)
         flat.index_copy_(2, index, kv.to(device=self.kv.device, dtype=self.kv.dtype, non_blocking=True))
+        if not exact:
+            seq.exact = False
         self.commit(seq, n)
 
     def read_tokens(self, seq: "Sequence", start: int, count: int) -> torch.Tensor:
@@ -317,6 +322,8 @@ class BlockPool:
         del seq.block_hashes[num_tokens // bs :]
         del seq.token_ids[num_tokens:]
         seq.num_computed = num_tokens
+        if num_tokens == 0:
+            seq.exact = True
 
     def release(self, seq: "Sequence") -> None:
         """Return every block of ``seq`` to the pool (cached if hashed) and empty it."""
@@ -326,6 +333,7 @@ class BlockPool:
         seq.block_hashes.clear()
         seq.token_ids.clear()
         seq.num_computed = 0
+        seq.exact = True
 
     def fork(self, seq: "Sequence") -> "Sequence":
         """A new sequence sharing all of ``seq``'s blocks by reference (copy on write)."""
@@ -338,4 +346,5 @@ class BlockPool:
             block_table=list(seq.block_table),
             block_hashes=list(seq.block_hashes),
             num_computed=seq.num_computed,
+            exact=seq.exact,
         )

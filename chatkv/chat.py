@@ -23,6 +23,7 @@ from chatkv.models import LoadedModel
 from chatkv.persistence import KVPersister, RestoreInfo, SavedKV, default_store
 from chatkv.sequence import Sequence
 from chatkv.storage import StorageError, Store
+from chatkv.tiers import TierConfig, tier_manager
 from chatkv.storage import InvalidSessionIdError as _StorageIdError
 from chatkv.storage import validate_session_id as _validate_id
 
@@ -68,6 +69,8 @@ class TurnStats:
         prefix_cache_tokens: reused tokens found in blocks other sessions share.
         generated_tokens, finish_reason, ttft_s, decode_tokens_per_s, total_s:
             the generation itself.
+        kv_source: the tier the session's KV was in when the turn started
+            (``device``, ``quantized``, ``host``, ``disk`` or ``expired``).
         bytes_written: bytes of chunk files this turn's save wrote.
         persist_error: why the turn could not be saved (the conversation
             continues in memory), or None.
@@ -83,6 +86,7 @@ class TurnStats:
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
     total_s: float = 0.0
+    kv_source: str = "device"
     bytes_written: int = 0
     persist_error: str | None = None
 
@@ -102,6 +106,9 @@ class _Session:
     saved: SavedKV = field(default_factory=SavedKV)
     persisted_messages: int = 0
     history_dirty: bool = False  # stored history must be rewritten (system prompt changed, reset)
+    tier: str = "device"  # see chatkv.tiers.TIERS
+    last_used: float = field(default_factory=time.monotonic)
+    offloaded: Any = None  # chatkv.tiers.OffloadedKV while in the quantized or host tier
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -137,6 +144,10 @@ class Chat:
         persist: False keeps the session in this process only.
         chunk_tokens: tokens per chunk file (a multiple of the block size).
         lease_timeout_s: how long to wait for another process to release the session.
+        tiers: budgets and idle policies of the engine's memory tiers
+            (engine-wide; see :class:`~chatkv.tiers.TierConfig`).
+        kv_quant: shorthand for ``tiers.quant_scheme`` (``none``, ``int8``,
+            ``fp8``, ``int4``): how idle sessions are compressed (engine-wide).
         **sampling: defaults for :class:`~chatkv.config.SamplingParams`
             (``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_new_tokens``,
             ``stop``, ``ignore_eos``).
@@ -160,11 +171,17 @@ class Chat:
         persist: bool = True,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         lease_timeout_s: float = 0.0,
+        tiers: TierConfig | None = None,
+        kv_quant: str | None = None,
         **sampling: Any,
     ) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
         self.engine = engine or get_engine(model, engine_config)
+        if kv_quant is not None:
+            base = tiers or tier_manager(self.engine).config
+            tiers = dataclasses.replace(base, quant_scheme=kv_quant)
+        self.tiers = tier_manager(self.engine, tiers)
         self.last_stats: TurnStats | None = None
         #: Token ids, text and finish reason of the last turn's generation.
         self.last_generation: GenerationResult | None = None
@@ -211,9 +228,18 @@ class Chat:
             state.ready.set()
             return
 
+        session_info = store.get_session(self.session_id)
+        tiers = self.tiers
+        pool = self.engine.pool
+
         def load() -> None:
             info = state.restore
             try:
+                need = -(-session_info.n_cached // pool.block_size)
+                tiers.reserve(state, need)
+                if pool.num_available < need:
+                    state.tier = "disk"  # no room now: the first turn loads it
+                    return
                 state.saved = state.persister.restore(self.session_id, state.seq, info)  # type: ignore[union-attr]
             except Exception as exc:  # a storage failure costs a re-prefill, never the session
                 info.warning = f"could not load the KV of session {self.session_id!r}: {exc}; re-prefilling"
@@ -341,7 +367,10 @@ class Chat:
                     f"the conversation plus this message is {len(ids)} tokens; the model's context "
                     f"window is {engine.max_context}. Start a new session or reset this one."
                 )
+            stats.kv_source = self.tiers.make_resident(state)
             self._align(state.seq, ids, stats)
+            room = min(len(ids) + params.max_new_tokens, engine.max_context) - state.seq.num_computed
+            self.tiers.reserve(state, min(engine.pool.blocks_needed(state.seq, room), engine.pool.num_blocks))
             try:
                 yield from engine.generate(state.seq, params, result)
             finally:
@@ -358,7 +387,9 @@ class Chat:
                 self.last_stats = stats
                 self.last_generation = result
         finally:
+            state.last_used = time.monotonic()
             state.busy.release()
+        self.tiers.enforce_budgets()
 
     def _template(self, messages: list[Message]) -> list[int]:
         tok = self.engine.tokenizer
@@ -394,12 +425,14 @@ class Chat:
                 store.truncate_history(self.session_id, 0)
                 state.persisted_messages = 0
                 state.history_dirty = False
-            for m in state.messages[state.persisted_messages :]:
-                store.append_message(self.session_id, m.role, m.content, partial=m.partial)
-                state.persisted_messages += 1
-            state.saved, result = persister.save(self.session_id, state.seq, state.saved)
-            if stats is not None:
-                stats.bytes_written = result.bytes_written
+            pending = state.messages[state.persisted_messages :]
+            if pending:
+                store.append_messages(self.session_id, [(m.role, m.content, None, m.partial) for m in pending])
+                state.persisted_messages += len(pending)
+            if state.tier == "device":  # demoted KV is already on disk (or expired)
+                state.saved, result = persister.save(self.session_id, state.seq, state.saved)
+                if stats is not None:
+                    stats.bytes_written = result.bytes_written
         except StorageError as exc:
             message = f"could not save session {self.session_id!r}: {exc}; the conversation continues in memory"
             if stats is not None:
@@ -422,6 +455,7 @@ class Chat:
         with state.busy:
             with self.engine.lock:
                 self.engine.pool.release(state.seq)
+            state.offloaded, state.tier = None, "device"
             state.messages[:] = [m for m in state.messages if m.role == "system"]
             state.history_dirty = True
             self._persist(state)
@@ -439,6 +473,8 @@ class Chat:
         validate_session_id(session_id)
         parent = self._state
         parent.ready.wait()
+        with parent.busy:
+            self.tiers.make_resident(parent)
         store = parent.store
         with self.engine.lock:
             if session_id in self.engine.sessions or (store is not None and store.has_session(session_id)):
@@ -474,6 +510,7 @@ class Chat:
             self._persist(state)
             with self.engine.lock:
                 self.engine.pool.release(state.seq)
+                state.offloaded = None
                 if state.store is not None:
                     self.engine.sessions.pop(self.session_id, None)
             if state.store is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chatkv.errors import OutOfBlocksError
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.storage import (
     ChunkInfo,
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 
 KV_TENSOR = "kv"
 DENSE_FORMAT = f"{KV_FORMAT_VERSION}:dense"
+#: Full-precision layout, but KV computed from (or restored out of) a quantized
+#: tier: a distinct format, so its chunk hashes never collide with exact ones.
+LOSSY_FORMAT = f"{KV_FORMAT_VERSION}:dense-lossy"
 
 _STORES: dict[tuple[str, str], Store] = {}
 _STORES_LOCK = threading.Lock()
@@ -101,12 +105,11 @@ class KVPersister:
         self.store = store
         self.chunk_tokens = chunk_tokens
         self.fingerprint = engine.loaded.fingerprint
-        self.kv_format = DENSE_FORMAT
 
-    def _meta(self) -> ChunkMeta:
+    def _meta(self, exact: bool) -> ChunkMeta:
         return ChunkMeta(
             fingerprint=self.fingerprint,
-            kv_format=self.kv_format,
+            kv_format=DENSE_FORMAT if exact else LOSSY_FORMAT,
             dtype=str(self.engine.pool.kv.dtype).removeprefix("torch."),
             block_size=self.chunk_tokens,
             quant="none",
@@ -118,7 +121,8 @@ class KVPersister:
 
         Full chunks whose tokens are unchanged are reused by hash; new full
         chunks and the partial tail are written. Files are durable before the
-        index names them.
+        index names them. KV of an inexact sequence (one restored from a
+        quantized tier) is written under :data:`LOSSY_FORMAT`.
 
         Raises:
             StorageWriteError: disk full, read-only home, index failure. The
@@ -128,6 +132,7 @@ class KVPersister:
         C = self.chunk_tokens
         with self.engine.lock:
             ids = list(seq.computed_ids)
+            exact = seq.exact
             keep: list[ChunkInfo] = []
             off = 0
             for info in previous.chunks:
@@ -140,7 +145,7 @@ class KVPersister:
                 n = min(C, len(ids) - off)
                 pieces.append((n, pool.read_tokens(seq, off, n)))
                 off += n
-        meta = self._meta()
+        meta = self._meta(exact)
         new = [NewChunk(n, {KV_TENSOR: kv.to("cpu")}, meta) for n, kv in pieces]
         result = self.store.save_kv(session_id, token_ids=ids, fingerprint=self.fingerprint, chunks=[*keep, *new])
         return SavedKV(ids, list(result.chunks)), result
@@ -189,14 +194,20 @@ class KVPersister:
                 skip = seq.num_computed - off
                 if skip < n:
                     with engine.lock:
-                        engine.pool.write_tokens(seq, loaded.token_ids[skip:], kv[:, :, skip:])
+                        engine.pool.write_tokens(seq, loaded.token_ids[skip:], kv[:, :, skip:],
+                                                 exact=loaded.info.kv_format == DENSE_FORMAT)
                 off += n
+        except OutOfBlocksError:
+            # No room for the rest: keep the prefix loaded so far (the turn re-prefills the rest).
+            chunks = chunks[:-1]
+            info.warning = f"session {session_id!r}: the KV pool is full; loaded {seq.num_computed} tokens"
         except CorruptChunkError as exc:
             info.warning = f"session {session_id!r}: {exc}; re-prefilling from that point"
             chunks = chunks[:-1] if chunks and chunks[-1].hash == exc.chunk_hash else chunks
-            good = sum(c.n_tokens for c in chunks)
-            with engine.lock:
-                if seq.num_computed > good:
-                    engine.pool.truncate(seq, good)
-            return SavedKV(cached_ids[:good], chunks)
-        return SavedKV(cached_ids, chunks)
+        else:
+            return SavedKV(cached_ids, chunks)
+        good = sum(c.n_tokens for c in chunks)
+        with engine.lock:
+            if seq.num_computed > good:
+                engine.pool.truncate(seq, good)
+        return SavedKV(cached_ids[:good], chunks)

@@ -22,6 +22,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed: int = 0
+    exact: bool = True
 
     @property
     def computed_ids(self) -> list[int]:

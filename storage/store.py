@@ -291,20 +291,37 @@ class Store:
         Raises:
             SessionNotFoundError, SessionLockedError, StorageWriteError.
         """
-        if token_span is not None and not (0 <= token_span[0] <= token_span[1]):
-            raise ValueError(f"bad token span {token_span}")
+        return self.append_messages(session_id, [(role, content, token_span, partial)])[0]
+
+    def append_messages(
+        self, session_id: str,
+        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool]],
+    ) -> list[MessageRecord]:
+        """Append ``(role, content, token_span, partial)`` messages in one transaction.
+
+        Either all of them are committed or none is.
+
+        Raises:
+            SessionNotFoundError, SessionLockedError, StorageWriteError.
+        """
+        for _, _, span, _ in messages:
+            if span is not None and not (0 <= span[0] <= span[1]):
+                raise ValueError(f"bad token span {span}")
         with self._tx() as s:
             row = self._get(s, session_id)
             leases.check_not_locked(s, session_id, self.owner)
             last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
+            idx = 0 if last is None else last + 1
             now = utcnow()
-            m = MessageRow(session_id=row.id, idx=0 if last is None else last + 1, role=role, content=content,
-                           tok_start=token_span[0] if token_span else None,
-                           tok_end=token_span[1] if token_span else None, created_at=now,
-                           flags=MESSAGE_PARTIAL if partial else 0)
-            s.add(m)
+            out = []
+            for role, content, span, partial in messages:
+                s.add(MessageRow(session_id=row.id, idx=idx, role=role, content=content,
+                                 tok_start=span[0] if span else None, tok_end=span[1] if span else None,
+                                 created_at=now, flags=MESSAGE_PARTIAL if partial else 0))
+                out.append(MessageRecord(idx, role, content, span, now, partial))
+                idx += 1
             row.updated_at = row.last_used_at = now
-            return MessageRecord(m.idx, role, content, token_span, now, partial)
+            return out
 
     def messages(self, session_id: str) -> list[MessageRecord]:
         """The session's history, in order."""
@@ -683,6 +700,13 @@ class Store:
         with self._lock:
             self._leases[session_id] = lease
         return lease
+
+    def lease_holder(self, session_id: str) -> str | None:
+        """The owner id of another live owner's lease on the session, or None if
+        it is free (or held by this Store)."""
+        with self._tx(write=False) as s:
+            row = leases.foreign_holder(s, validate_session_id(session_id), self.owner)
+            return row.owner if row is not None else None
 
     def release_lease(self, session_id: str) -> None:
         """Release this Store's lease on ``session_id`` if it holds one."""

@@ -1,0 +1,152 @@
+"""Measuring what a KV quantization scheme costs a model, through the real path.
+
+:func:`measure` prefills a conversation at full precision, sends a copy of
+its KV through the quantized tier (offload with the scheme, reload), then
+teacher-forces the same continuation on both and compares the next-token
+distributions: top-1 agreement and mean KL divergence. :func:`passes_floor`
+caches the result per model fingerprint under ``<home>/fidelity.json`` so the
+tier manager measures each scheme once per model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chatkv.config import chatkv_home
+from chatkv.errors import OutOfBlocksError
+from chatkv.runner import StepInput
+from chatkv.sequence import Sequence
+
+if TYPE_CHECKING:
+    from chatkv.engine import Engine
+
+#: A short built-in conversation for calibration (when no workload is given).
+CALIBRATION: list[dict[str, str]] = [
+    {"role": "system", "content": "You are a helpful assistant who explains things clearly."},
+    {"role": "user", "content": "What does a database index do, and why can it make writes slower?"},
+    {"role": "assistant", "content": (
+        "An index is a separate data structure, usually a B-tree, that keeps a sorted copy of one or "
+        "more columns with pointers back to the rows. A query that filters on those columns can walk "
+        "the tree instead of scanning the whole table. Every insert, update or delete must also update "
+        "each index on the table, so writes do more work and take more space.")},
+    {"role": "user", "content": "So when should I avoid adding one?"},
+    {"role": "assistant", "content": (
+        "Avoid an index on a column that is rarely used in filters or joins, on a small table that is "
+        "cheap to scan anyway, on a column with very few distinct values, and on tables that take far "
+        "more writes than reads. Measure with the query planner before and after: an index that the "
+        "planner never chooses only costs you.")},
+]
+
+_LOCK = threading.Lock()
+
+
+@dataclass
+class FidelityResult:
+    """Teacher-forced agreement of quantized-tier KV with full precision."""
+
+    scheme: str
+    top1_agreement: float
+    mean_kl: float
+    tokens: int
+
+
+def _template(engine: "Engine", messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | None = None,
+            max_forced: int = 64) -> FidelityResult:
+    """Compare next-token predictions over the last assistant turn of
+    ``conversation`` with its history's KV at full precision vs through ``scheme``.
+
+    Uses two temporary sequences in the engine's pool (released before return).
+
+    Raises:
+        OutOfBlocksError: the pool cannot hold two copies of the conversation.
+    """
+    from chatkv.tiers import offload, reload
+
+    messages = conversation or CALIBRATION
+    assert messages[-1]["role"] == "assistant", "the conversation must end with an assistant turn"
+    prefix = _template(engine, messages[:-1], True)
+    full = _template(engine, messages, False)
+    forced = full[len(prefix):][:max_forced]
+    if full[: len(prefix)] != prefix or not forced:
+        raise ValueError("the chat template does not extend the history with the assistant turn")
+    pool, lock = engine.pool, engine.lock
+    exact = Sequence(token_ids=list(prefix))
+    lossy = Sequence()
+    try:
+        with lock:
+            engine.runner.forward([StepInput(exact, list(prefix))])
+        off = offload(pool, exact, scheme, lock)
+        reload(pool, lossy, off, lock)
+        agree, kl = 0, 0.0
+        for token in forced:
+            exact.token_ids.append(token)
+            lossy.token_ids.append(token)
+            with lock:
+                a = engine.runner.forward([StepInput(exact, [token])])[0]
+                b = engine.runner.forward([StepInput(lossy, [token])])[0]
+            agree += int(a.argmax() == b.argmax())
+            la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+            kl += float((la.exp() * (la - lb)).sum())
+        return FidelityResult(scheme, agree / len(forced), kl / len(forced), len(forced))
+    finally:
+        with lock:
+            pool.release(exact)
+            pool.release(lossy)
+
+
+def _cache_path() -> Any:
+    return chatkv_home() / "fidelity.json"
+
+
+def cached_results(fingerprint: str) -> dict[str, FidelityResult]:
+    """Fidelity measured earlier for the model with ``fingerprint``, by scheme."""
+    try:
+        data = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: FidelityResult(**v) for k, v in data.get(fingerprint, {}).items()}
+
+
+def passes_floor(engine: "Engine", scheme: str, floor: float) -> bool:
+    """True if ``scheme``'s top-1 agreement for this model is at least ``floor``.
+
+    Measured once per model fingerprint (see :func:`measure`) and cached in the
+    home directory. A floor of 0 or less passes without measuring; a scheme that
+    cannot be measured (pool too small) does not pass.
+    """
+    if floor <= 0:
+        return True
+    fp = engine.loaded.fingerprint
+    with _LOCK:
+        known = cached_results(fp)
+        if scheme not in known:
+            try:
+                known[scheme] = measure(engine, scheme)
+            except (OutOfBlocksError, ValueError):
+                return False
+            path = _cache_path()
+            try:
+                data = json.loads(path.read_text()) if path.exists() else {}
+            except (OSError, ValueError):
+                data = {}
+            data.setdefault(fp, {})[scheme] = asdict(known[scheme])
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(data, indent=1))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # an unwritable home only costs measuring again next time
+        return known[scheme].top1_agreement >= floor

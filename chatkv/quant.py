@@ -1,0 +1,393 @@
+"""KV-cache quantization schemes for idle sessions' blocks.
+
+A scheme turns a stack of full KV blocks ``[n, block_size, kv_heads, head_dim]``
+(one layer's K or V, any float dtype) into a :class:`QuantizedKV` and back.
+Schemes are looked up by name; the name is stored with every quantized tensor
+(:meth:`QuantizedKV.meta`) so a chunk file says how to read itself.
+
+``"none"``
+    Full precision: the tensor is kept as is (a reference, not a copy).
+``"int8"``
+    Symmetric, per token and head. ``data`` int8 ``[n, BS, H, D]`` in
+    ``[-127, 127]``; ``scale`` float32 ``[n, BS, H]``; ``x ~= data * scale``.
+``"fp8"``
+    ``torch.float8_e4m3fn``, scaled per token and head so the largest magnitude
+    maps to 448 (e4m3's largest finite value). ``data`` ``[n, BS, H, D]``;
+    ``scale`` float32 ``[n, BS, H]``; ``x ~= data.float() * scale``.
+``"int4"``
+    4-bit asymmetric after KIVI (Liu et al., 2024): keys per channel, values per
+    token. Both store ``data`` uint8 ``[n, BS, H, D // 2]``, two 4-bit codes per
+    byte (channel ``2j`` in the low nibble, ``2j + 1`` in the high one), and
+    ``x ~= code * scale + zero`` with float16 ``scale``/``zero``:
+
+    * keys: one (scale, zero) per (block, head, channel), the group being the
+      block's ``BS`` tokens: ``scale``/``zero`` ``[n, H, D]``. Outlier channels,
+      common in keys, get their own range instead of stretching every token's.
+    * values: one (scale, zero) per (block, token, head, group of ``G``
+      channels), ``G = 32`` (or ``head_dim`` when it is smaller or not a
+      multiple of 32): ``scale``/``zero`` ``[n, BS, H, D // G]``.
+
+    float16 parameters bound the magnitudes this scheme can hold to 65504,
+    far above the KV of models we know; int8 and fp8 keep float32 scales.
+
+    KIVI keeps the most recent tokens in full precision. chatkv gets that from
+    the engine: only full blocks are ever quantized, and a session's partial last
+    block (up to ``block_size - 1`` of its newest tokens) stays at full precision.
+
+The int8 and fp8 layouts are shared with the Triton kernel helpers; keep them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Kind = Literal["k", "v"]
+
+SCHEMES: tuple[str, ...] = ("none", "int8", "fp8", "int4")
+
+#: Largest finite value of float8 e4m3fn.
+FP8_MAX = 448.0
+INT8_MAX = 127
+INT4_LEVELS = 15
+#: Channels per value group of the int4 scheme (KIVI's group size).
+INT4_GROUP = 32
+
+# Metadata keys under which a QuantizedKV describes itself (string values, so
+# they fit safetensors' metadata and any tool can read them).
+_META_KEYS = ("quant_scheme", "quant_kind", "quant_shape", "quant_dtype", "quant_group")
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
+
+
+def check_scheme(scheme: str) -> str:
+    """Return ``scheme`` if it names a known scheme, else raise ``ValueError``."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown KV quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    return scheme
+
+
+def int4_group_size(head_dim: int) -> int:
+    """Channels per value group for the int4 scheme at this ``head_dim``."""
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedKV:
+    """One layer's K or V blocks in a quantized (or full-precision) form.
+
+    Attributes:
+        scheme: one of :data:`SCHEMES`.
+        kind: ``"k"`` or ``"v"`` (int4 treats them differently).
+        shape: the original ``(n, block_size, kv_heads, head_dim)``.
+        dtype: the original float dtype, the default of :func:`dequantize`.
+        data: the codes (or, for ``"none"``, the tensor itself).
+        scale: per-group scales; ``None`` for ``"none"``.
+        zero: per-group offsets (int4 only), else ``None``.
+        group_size: channels per value group (int4), else 0.
+    """
+
+    scheme: str
+    kind: Kind
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    data: Tensor
+    scale: Tensor | None = None
+    zero: Tensor | None = None
+    group_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors (codes plus scales and offsets)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def device(self) -> torch.device:
+        """The device the codes live on."""
+        return self.data.device
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors by name (``data``, ``scale``, ``zero``), contiguous, ready for safetensors."""
+        out = {"data": self.data.contiguous()}
+        if self.scale is not None:
+            out["scale"] = self.scale.contiguous()
+        if self.zero is not None:
+            out["zero"] = self.zero.contiguous()
+        return out
+
+    def meta(self) -> dict[str, str]:
+        """String metadata that, with :meth:`tensors`, fully describes this object."""
+        return {
+            "quant_scheme": self.scheme,
+            "quant_kind": self.kind,
+            "quant_shape": ",".join(str(s) for s in self.shape),
+            "quant_dtype": str(self.dtype).removeprefix("torch."),
+            "quant_group": str(self.group_size),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, str]) -> QuantizedKV:
+        """Rebuild from :meth:`tensors` and :meth:`meta` (extra keys are ignored).
+
+        Raises:
+            ValueError: unknown scheme, kind or dtype, a missing key, or tensors
+                whose shapes or dtypes do not match the scheme's layout.
+        """
+        missing = [k for k in _META_KEYS if k not in meta]
+        if missing:
+            raise ValueError(f"quantized KV metadata lacks {missing}")
+        scheme = check_scheme(meta["quant_scheme"])
+        kind = meta["quant_kind"]
+        if kind not in ("k", "v"):
+            raise ValueError(f"quant_kind must be 'k' or 'v', got {kind!r}")
+        if meta["quant_dtype"] not in _DTYPES:
+            raise ValueError(f"unsupported KV dtype {meta['quant_dtype']!r}")
+        dims = tuple(int(s) for s in meta["quant_shape"].split(","))
+        if len(dims) != 4:
+            raise ValueError(f"quant_shape must have 4 dims, got {meta['quant_shape']!r}")
+        if "data" not in tensors:
+            raise ValueError("quantized KV tensors lack 'data'")
+        q = cls(
+            scheme=scheme,
+            kind=kind,  # type: ignore[arg-type]
+            shape=dims,  # type: ignore[arg-type]
+            dtype=_DTYPES[meta["quant_dtype"]],
+            data=tensors["data"],
+            scale=tensors.get("scale"),
+            zero=tensors.get("zero"),
+            group_size=int(meta["quant_group"]),
+        )
+        _validate(q)
+        return q
+
+
+def _expected_layout(
+    scheme: str, kind: Kind, shape: tuple[int, int, int, int], dtype: torch.dtype, group: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the tensors a scheme stores for blocks of ``shape``."""
+    n, bs, h, d = shape
+    if scheme == "none":
+        return {"data": (shape, dtype)}
+    if scheme == "int8":
+        return {"data": (shape, torch.int8), "scale": ((n, bs, h), torch.float32)}
+    if scheme == "fp8":
+        return {"data": (shape, torch.float8_e4m3fn), "scale": ((n, bs, h), torch.float32)}
+    packed = ((n, bs, h, d // 2), torch.uint8)
+    if kind == "k":
+        return {"data": packed, "scale": ((n, h, d), torch.float16), "zero": ((n, h, d), torch.float16)}
+    return {
+        "data": packed,
+        "scale": ((n, bs, h, d // group), torch.float16),
+        "zero": ((n, bs, h, d // group), torch.float16),
+    }
+
+
+def _validate(q: QuantizedKV) -> None:
+    """Raise ``ValueError`` unless ``q``'s tensors match its scheme's layout."""
+    if q.scheme == "int4" and (q.shape[3] % 2 or q.group_size != int4_group_size(q.shape[3])):
+        raise ValueError(f"int4 needs an even head_dim and group {int4_group_size(q.shape[3])}, "
+                         f"got head_dim {q.shape[3]}, group {q.group_size}")
+    expected = _expected_layout(q.scheme, q.kind, q.shape, q.dtype, q.group_size)
+    got = q.tensors()
+    if set(got) != set(expected):
+        raise ValueError(f"{q.scheme} KV needs tensors {sorted(expected)}, got {sorted(got)}")
+    for name, (shape, dtype) in expected.items():
+        t = got[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"{q.scheme} {q.kind} tensor {name!r}: expected {dtype} {list(shape)}, "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+
+
+# --- the schemes -------------------------------------------------------------
+
+
+def _safe(scale: Tensor) -> Tensor:
+    """``scale`` with zeros replaced by ones, so all-zero groups divide cleanly."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _quant_int8(x: Tensor, kind: Kind) -> dict[str, Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / INT8_MAX  # [n, BS, H]
+    data = torch.round(xf / _safe(scale)[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return {"data": data, "scale": scale}
+
+
+def _dequant_int8(q: QuantizedKV) -> Tensor:
+    assert q.scale is not None
+    return q.data.float() * q.scale[..., None]
+
+
+def _quant_fp8(x: Tensor, kind: Kind) -> dict[str, Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / FP8_MAX  # [n, BS, H]
+    # Clamp first: a value rounding a hair above 448 would become NaN in e4m3fn.
+    data = (xf / _safe(scale)[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"data": data, "scale": scale}
+
+
+def _dequant_fp8(q: QuantizedKV) -> Tensor:
+    assert q.scale is not None
+    return q.data.float() * q.scale[..., None]
+
+
+def _pack_nibbles(codes: Tensor) -> Tensor:
+    """``[..., D]`` uint8 codes in [0, 15] -> ``[..., D // 2]`` uint8."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`_pack_nibbles`: ``[..., D // 2]`` -> ``[..., D]`` uint8."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _asym_params(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """float16 (scale, zero) for the range [lo, hi], each shaped like ``lo``."""
+    zero = lo.to(torch.float16)
+    scale = ((hi - zero.float()) / INT4_LEVELS).to(torch.float16)
+    return scale, zero
+
+
+def _quant_int4(x: Tensor, kind: Kind) -> dict[str, Tensor]:
+    n, bs, h, d = x.shape
+    xf = x.float()
+    if kind == "k":
+        # One range per (block, head, channel), over the block's tokens.
+        scale, zero = _asym_params(xf.amin(dim=1), xf.amax(dim=1))  # [n, H, D]
+        s, z = scale.float()[:, None], zero.float()[:, None]  # [n, 1, H, D]
+        codes = torch.round((xf - z) / _safe(s))
+    else:
+        g = int4_group_size(d)
+        xg = xf.reshape(n, bs, h, d // g, g)
+        scale, zero = _asym_params(xg.amin(dim=-1), xg.amax(dim=-1))  # [n, BS, H, D/G]
+        s, z = scale.float()[..., None], zero.float()[..., None]
+        codes = torch.round((xg - z) / _safe(s)).reshape(n, bs, h, d)
+    codes = codes.clamp_(0, INT4_LEVELS).to(torch.uint8)
+    data = _pack_nibbles(codes)
+    assert data.shape == (n, bs, h, d // 2)
+    return {"data": data, "scale": scale, "zero": zero}
+
+
+def _dequant_int4(q: QuantizedKV) -> Tensor:
+    assert q.scale is not None and q.zero is not None
+    n, bs, h, d = q.shape
+    codes = _unpack_nibbles(q.data).float()  # [n, BS, H, D]
+    if q.kind == "k":
+        return codes * q.scale.float()[:, None] + q.zero.float()[:, None]
+    g = q.group_size
+    cg = codes.reshape(n, bs, h, d // g, g)
+    return (cg * q.scale.float()[..., None] + q.zero.float()[..., None]).reshape(n, bs, h, d)
+
+
+_QUANTIZERS: dict[str, Callable[[Tensor, Kind], dict[str, Tensor]]] = {
+    "int8": _quant_int8,
+    "fp8": _quant_fp8,
+    "int4": _quant_int4,
+}
+_DEQUANTIZERS: dict[str, Callable[[QuantizedKV], Tensor]] = {
+    "int8": _dequant_int8,
+    "fp8": _dequant_fp8,
+    "int4": _dequant_int4,
+}
+
+
+# --- public API --------------------------------------------------------------
+
+
+def quantize(x: Tensor, kind: Kind, scheme: str) -> QuantizedKV:
+    """Quantize a stack of full KV blocks.
+
+    Args:
+        x: one layer's keys or values, ``[n, block_size, kv_heads, head_dim]``,
+            float16, bfloat16, float32 or float64, on any device.
+        kind: ``"k"`` for keys, ``"v"`` for values.
+        scheme: one of :data:`SCHEMES`.
+
+    Returns:
+        A :class:`QuantizedKV` on ``x``'s device. For ``"none"`` it holds ``x``
+        itself (no copy). Otherwise ``x`` is not modified and not referenced.
+
+    Raises:
+        ValueError: unknown scheme or kind, ``x`` not 4-D or not a supported
+            float dtype, or (int4) an odd ``head_dim``.
+    """
+    check_scheme(scheme)
+    if kind not in ("k", "v"):
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    if x.dim() != 4:
+        raise ValueError(f"expected blocks [n, block_size, kv_heads, head_dim], got shape {list(x.shape)}")
+    if x.dtype not in _DTYPES.values():
+        raise ValueError(f"expected a float KV tensor, got {x.dtype}")
+    shape = tuple(x.shape)
+    group = 0
+    if scheme == "int4":
+        if shape[3] % 2:
+            raise ValueError(f"int4 packs two channels per byte; head_dim {shape[3]} is odd")
+        group = int4_group_size(shape[3])
+    if scheme == "none":
+        parts = {"data": x}
+    else:
+        parts = _QUANTIZERS[scheme](x, kind)
+    q = QuantizedKV(scheme=scheme, kind=kind, shape=shape, dtype=x.dtype,  # type: ignore[arg-type]
+                    data=parts["data"], scale=parts.get("scale"), zero=parts.get("zero"),
+                    group_size=group)
+    _validate(q)
+    return q
+
+
+def dequantize(q: QuantizedKV, dtype: torch.dtype | None = None) -> Tensor:
+    """Reconstruct the blocks of ``q``.
+
+    Args:
+        q: what :func:`quantize` (or :meth:`QuantizedKV.from_tensors`) returned.
+        dtype: the result's dtype; defaults to the dtype that was quantized.
+
+    Returns:
+        A new tensor ``[n, block_size, kv_heads, head_dim]`` on ``q``'s device
+        (for ``"none"`` in the same dtype, ``q.data`` itself).
+    """
+    dtype = dtype or q.dtype
+    if q.scheme == "none":
+        return q.data.to(dtype)
+    out = _DEQUANTIZERS[q.scheme](q).to(dtype)
+    assert tuple(out.shape) == q.shape
+    return out
+
+
+def bytes_per_token(
+    scheme: str,
+    kv_heads: int,
+    head_dim: int,
+    num_layers: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Bytes one cached token costs under ``scheme``, keys and values of all layers.
+
+    Scales and offsets are included; the int4 key parameters, one set per block,
+    are amortized over ``block_size`` tokens. ``dtype`` is the full-precision
+    element type, used by ``"none"`` only. Equal to ``nbytes / (n * block_size)``
+    summed over K and V of every layer, for ``n`` quantized full blocks.
+    """
+    check_scheme(scheme)
+    elems = kv_heads * head_dim  # per token, per layer, per K or V
+    k: float
+    v: float
+    if scheme == "none":
+        k = v = elems * torch.empty((), dtype=dtype).element_size()
+    elif scheme in ("int8", "fp8"):
+        k = v = elems + kv_heads * 4
+    else:
+        k = elems / 2 + 2 * 2 * elems / block_size
+        v = elems / 2 + 2 * 2 * kv_heads * (head_dim // int4_group_size(head_dim))
+    return float(num_layers * (k + v))
