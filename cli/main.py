@@ -1,71 +1,59 @@
-"""The ``chatkv`` command line: ``chatkv repl`` and friends."""
+"""The ``chatkv`` command line: ``chatkv repl``, ``chatkv sessions …``, ``chatkv models …``.
+
+Each command parses its options, calls the library and prints. Library errors
+become exit codes in one place (:class:`ChatKVGroup`); see :mod:`chatkv.cli.errors`.
+"""
 
 from __future__ import annotations
 
-import sys
-
 import click
 
+from .errors import ExitCode, translate
+from .models import models
+from .repl import repl
+from .sessions import sessions
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = """\b
+Environment:
+  CHATKV_HOME          data directory (sessions, KV chunks, REPL history);
+                       default: the platform's user data dir
+  CHATKV_DB_URL        SQLAlchemy URL of the index; default sqlite:///$CHATKV_HOME/index.db
+  CHATKV_MODEL_CACHE   converted models; default $CHATKV_HOME/models
+
+\b
+Exit codes: 0 ok, 1 error, 2 usage (bad option or session id), 3 unknown
+session or model, 4 corrupt or unreadable file, 5 session in use or already
+exists, 130 interrupted."""
+
+
+class ChatKVGroup(click.Group):
+    """A click group that turns chatkv's exceptions into messages and exit codes."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Run the subcommand; expected library errors become :class:`~chatkv.cli.errors.CliError`."""
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            raise click.exceptions.Exit(int(ExitCode.INTERRUPTED)) from None
+        except Exception as exc:
+            err = translate(exc)
+            if err is None:
+                raise
+            raise err from exc
+
+
+@click.group(cls=ChatKVGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="chatkv")
 def main() -> None:
-    """chatkv: multi-turn chat whose KV cache persists across turns and restarts."""
+    """chatkv: multi-turn chat whose KV cache persists across turns, processes and restarts."""
 
 
-@main.command()
-@click.option("--session", "session_id", default=None, help="Session id to resume or create (default: a fresh id).")
-@click.option("--system", default=None, help="System prompt.")
-@click.option("--model", default=None, help="Model spec: 'default', a model directory, a .gguf file or tiny:<arch>.")
-@click.option("--max-new-tokens", default=512, show_default=True, type=int, help="Longest reply, in tokens.")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int)
-@click.option("--seed", default=None, type=int)
-def repl(session_id, system, model, max_new_tokens, temperature, top_p, top_k, seed) -> None:
-    """Chat in the terminal, streaming replies. Ctrl-C stops a reply; Ctrl-D exits."""
-    import secrets
-
-    from chatkv import Chat
-    from chatkv.errors import ChatKVError
-
-    session_id = session_id or f"chat-{secrets.token_hex(3)}"
-    try:
-        chat = Chat(session_id, system=system, model=model, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    except ChatKVError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(f"session {session_id} on {chat.engine.loaded.name} (Ctrl-D to exit, /exit to quit)", err=True)
-    while True:
-        try:
-            text = input(">>> ")
-        except EOFError:
-            click.echo("", err=True)
-            break
-        except KeyboardInterrupt:
-            click.echo("", err=True)
-            continue
-        if text.strip() in ("/exit", "/quit"):
-            break
-        if not text.strip():
-            continue
-        try:
-            for piece in chat.stream(text):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            sys.stdout.write(" [interrupted]")
-        except ChatKVError as exc:
-            click.echo(f"error: {exc}", err=True)
-            continue
-        sys.stdout.write("\n")
-        stats = chat.last_stats
-        if stats is not None and stats.ttft_s is not None:
-            rate = f", {stats.decode_tokens_per_s:.1f} tok/s" if stats.decode_tokens_per_s else ""
-            click.echo(
-                f"[reused {stats.reused_tokens}, prefilled {stats.prefilled_tokens} tokens; "
-                f"first token {stats.ttft_s * 1000:.0f} ms{rate}]", err=True)
-    chat.close()
+main.add_command(repl)
+main.add_command(sessions)
+main.add_command(models)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""``chatkv sessions``: list, show, remove, export, import and garbage-collect stored sessions."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .errors import CliError, ExitCode, exit_code_for
+from .output import ago, human_bytes, print_fields, print_json, print_table, printable
+from .store import open_store
+
+if TYPE_CHECKING:
+    from chatkv.storage import SessionInfo
+
+#: Names a session archive may contain (what ``Store.export_session`` writes).
+BUNDLE_MEMBERS = ("history.json", "kv.safetensors")
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def session_dict(info: "SessionInfo") -> dict[str, Any]:
+    """A JSON-ready dict of a :class:`~chatkv.storage.SessionInfo`."""
+    return dataclasses.asdict(info)
+
+
+@click.group("sessions")
+def sessions() -> None:
+    """Stored sessions: list, inspect, remove, export, import, collect garbage."""
+
+
+@sessions.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def ls(as_json: bool) -> None:
+    """List sessions, most recently used first: id, turns, cached tokens, tier, KV bytes, last use."""
+    with open_store() as store:
+        infos = store.list_sessions()
+    if as_json:
+        print_json([session_dict(i) for i in infos])
+        return
+    if not infos:
+        click.echo("no sessions")
+        return
+    print_table(
+        ["id", "turns", "tokens", "tier", "bytes", "last used"],
+        [[i.id, i.n_turns, i.n_cached, i.tier, human_bytes(i.kv_bytes), ago(i.last_used_at)] for i in infos],
+        title="sessions", right=("turns", "tokens", "bytes"),
+    )
+
+
+@sessions.command("show")
+@click.argument("session_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (facts and messages).")
+def show(session_id: str, as_json: bool) -> None:
+    """Show one session's cache facts and its history. Exit code 3 if it does not exist."""
+    with open_store() as store:
+        info = store.get_session(session_id)
+        size = store.session_bytes(session_id)
+        messages = store.messages(session_id)
+    if as_json:
+        print_json({
+            "session": session_dict(info),
+            "disk_bytes": dataclasses.asdict(size),
+            "messages": [{"index": m.index, "role": m.role, "content": m.content,
+                          "partial": bool(getattr(m, "partial", False)), "created_at": m.created_at}
+                         for m in messages],
+        })
+        return
+    print_fields([
+        ("session", info.id),
+        ("turns", f"{info.n_turns} ({info.n_messages} messages)"),
+        ("cached tokens", info.n_cached),
+        ("tier", info.tier),
+        ("disk", f"{human_bytes(size.total)} in {info.n_chunks} chunks "
+                 f"({human_bytes(size.unique)} own, {human_bytes(size.shared)} shared)"),
+        ("fingerprint", info.fingerprint or "-"),
+        ("created", info.created_at.isoformat(timespec="seconds")),
+        ("last used", f"{info.last_used_at.isoformat(timespec='seconds')} ({ago(info.last_used_at)})"),
+    ])
+    if messages:
+        click.echo()
+    for m in messages:
+        mark = " [interrupted]" if getattr(m, "partial", False) else ""
+        click.echo(f"{m.role}: {printable(m.content)}{mark}")
+
+
+@sessions.command("rm")
+@click.argument("session_ids", nargs=-1, required=True)
+def rm(session_ids: tuple[str, ...]) -> None:
+    """Remove sessions: history, KV links, and chunk files no other session uses.
+
+    Every id is tried; the exit code is that of the first failure (3 for an
+    unknown id, 5 for a session in use).
+    """
+    first_failure: ExitCode | None = None
+    with open_store() as store:
+        for sid in session_ids:
+            try:
+                res = store.delete_session(sid)
+            except Exception as exc:
+                code = exit_code_for(exc)
+                if code is None:
+                    raise
+                click.echo(f"Error: {exc}", err=True)
+                first_failure = first_failure or code
+                continue
+            click.echo(f"removed {sid} ({res.files_removed} files, {human_bytes(res.bytes_removed)})")
+    if first_failure is not None:
+        raise click.exceptions.Exit(int(first_failure))
+
+
+@sessions.command("export")
+@click.argument("session_id")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=True, path_type=Path), default=None,
+              help="Archive to write (.tar, .tar.gz or .tgz), or any other path for a bundle "
+                   "directory. Default: ./<ID>.tar")
+def export(session_id: str, output: Path | None) -> None:
+    """Export a session (history and verified KV) to a portable archive or bundle directory."""
+    output = output or Path(f"{session_id}.tar")
+    with open_store() as store:
+        store.get_session(session_id)  # unknown id -> exit 3 before touching the file system
+        if not output.name.endswith(ARCHIVE_SUFFIXES):
+            store.export_session(session_id, output)
+            click.echo(f"exported {session_id} to {output}/")
+            return
+        with tempfile.TemporaryDirectory(prefix="chatkv-export-") as tmp:
+            bundle = store.export_session(session_id, Path(tmp) / "bundle")
+            _write_archive(bundle, output)
+    click.echo(f"exported {session_id} to {output} ({human_bytes(output.stat().st_size)})")
+
+
+def _write_archive(bundle: Path, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        gz = output.name.endswith((".gz", ".tgz"))
+        with tarfile.open(tmp, "w:gz") if gz else tarfile.open(tmp, "w") as tar:
+            for name in BUNDLE_MEMBERS:
+                if (bundle / name).is_file():
+                    tar.add(bundle / name, arcname=name)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@sessions.command("import")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--as", "session_id", default=None, help="Import under this id instead of the bundle's.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing session with the same id.")
+def import_(source: Path, session_id: str | None, overwrite: bool) -> None:
+    """Import a session from an archive or bundle directory made by ``sessions export``.
+
+    The bundle is verified (checksums, chained hashes) before anything is
+    written. Exit code 4 for a corrupt or foreign file, 5 if the id exists
+    (without --overwrite).
+    """
+    with open_store() as store, tempfile.TemporaryDirectory(prefix="chatkv-import-") as tmp:
+        bundle = source if source.is_dir() or source.suffix == ".json" else _extract_archive(source, Path(tmp))
+        info = store.import_session(bundle, session_id=session_id, overwrite=overwrite)
+    click.echo(f"imported {info.id}: {info.n_turns} turns, {info.n_cached} cached tokens")
+
+
+def _extract_archive(archive: Path, dest: Path) -> Path:
+    """Extract only the bundle's regular files from ``archive`` into ``dest``."""
+    try:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name in BUNDLE_MEMBERS and m.isfile()]
+            if not any(m.name == BUNDLE_MEMBERS[0] for m in members):
+                raise CliError(f"{archive} is not a chatkv session archive (no {BUNDLE_MEMBERS[0]})",
+                               ExitCode.BAD_FILE)
+            for m in members:
+                src = tar.extractfile(m)
+                assert src is not None
+                with src, open(dest / m.name, "wb") as out:
+                    shutil.copyfileobj(src, out)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise CliError(f"{archive} is not a readable chatkv session archive: {exc}", ExitCode.BAD_FILE) from exc
+    return dest
+
+
+@sessions.command("gc")
+@click.option("--dry-run", is_flag=True, help="Report what would be reclaimed; remove nothing.")
+@click.option("--grace", "grace_s", default=600.0, show_default=True, type=float,
+              help="Spare orphan and temporary files younger than this many seconds (saves in flight).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def gc(dry_run: bool, grace_s: float, as_json: bool) -> None:
+    """Reconcile the index with the chunk files: remove orphan and temporary files,
+    dangling and unreferenced chunk rows, and report the bytes reclaimed."""
+    with open_store() as store:
+        report = store.gc(dry_run=dry_run, grace_s=grace_s)
+    if as_json:
+        print_json(dataclasses.asdict(report))
+        return
+    counts: list[tuple[str, object]] = [
+        ("orphan files", len(report.orphan_files)),
+        ("temp files", len(report.temp_files)),
+        ("dangling chunks", len(report.dangling_chunks)),
+        ("unreferenced chunks", len(report.unreferenced_chunks)),
+    ]
+    if dry_run:
+        counts.append(("reclaimable", human_bytes(report.reclaimable_bytes)))
+    else:
+        counts += [("files removed", report.files_removed), ("reclaimed", human_bytes(report.bytes_reclaimed))]
+    print_fields(counts)
+    if dry_run:
+        click.echo("(dry run: nothing was removed)")
