@@ -604,6 +604,7 @@ def gc_store(store: "Store", config: TierConfig | None = None, *, dry_run: bool 
         orphan_files=len(report.orphan_files), temp_files=len(report.temp_files),
         dangling_chunks=len(report.dangling_chunks), unreferenced_chunks=len(report.unreferenced_chunks),
         files_removed=report.files_removed,
-        bytes_reclaimed=report.bytes_reclaimed + (0 if dry_run else expired_bytes + over_bytes),
+        bytes_reclaimed=(report.reclaimable_bytes if dry_run else report.bytes_reclaimed)
+        + expired_bytes + over_bytes,
         disk_bytes_before=before, disk_bytes_after=after, seconds=time.perf_counter() - started,
     )

@@ -183,29 +183,67 @@ def _extract_archive(archive: Path, dest: Path) -> Path:
     return dest
 
 
+def _parse_bytes(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+    text = value.strip().lower()
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text[len(num):].strip()
+    if unit not in units or not num:
+        raise CliError(f"not a size: {value!r} (e.g. 500M, 20G)", ExitCode.USAGE)
+    return int(float(num) * units[unit])
+
+
+def _parse_duration(value: str | None) -> float | None:
+    if value is None or value == "":
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    text = value.strip().lower()
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise CliError(f"not a duration: {value!r} (e.g. 3600, 90m, 7d)", ExitCode.USAGE) from None
+
+
 @sessions.command("gc")
 @click.option("--dry-run", is_flag=True, help="Report what would be reclaimed; remove nothing.")
+@click.option("--ttl", "ttl", envvar="CHATKV_KV_TTL", default=None,
+              help="Expire the KV of sessions idle this long (e.g. 7d, 12h); histories stay. [env CHATKV_KV_TTL]")
+@click.option("--disk-budget", "disk_budget", envvar="CHATKV_DISK_BUDGET", default=None,
+              help="Drop least recently used sessions' KV until chunk files fit (e.g. 20G). "
+                   "[env CHATKV_DISK_BUDGET]")
 @click.option("--grace", "grace_s", default=600.0, show_default=True, type=float,
               help="Spare orphan and temporary files younger than this many seconds (saves in flight).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def gc(dry_run: bool, grace_s: float, as_json: bool) -> None:
-    """Reconcile the index with the chunk files: remove orphan and temporary files,
-    dangling and unreferenced chunk rows, and report the bytes reclaimed."""
+def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, as_json: bool) -> None:
+    """Enforce the disk tier and reclaim space: expire KV past its TTL, fit the disk
+    budget (least recently used first), remove orphan and temporary files, dangling
+    and unreferenced chunks. Histories are never deleted, and sessions another
+    process is using are left alone, so it is safe while apps run."""
+    from chatkv.tiers import TierConfig, gc_store
+
+    config = TierConfig(kv_ttl_s=_parse_duration(ttl), disk_budget_bytes=_parse_bytes(disk_budget))
     with open_store() as store:
-        report = store.gc(dry_run=dry_run, grace_s=grace_s)
+        report = gc_store(store, config, dry_run=dry_run, grace_s=grace_s)
     if as_json:
         print_json(dataclasses.asdict(report))
         return
-    counts: list[tuple[str, object]] = [
-        ("orphan files", len(report.orphan_files)),
-        ("temp files", len(report.temp_files)),
-        ("dangling chunks", len(report.dangling_chunks)),
-        ("unreferenced chunks", len(report.unreferenced_chunks)),
-    ]
-    if dry_run:
-        counts.append(("reclaimable", human_bytes(report.reclaimable_bytes)))
-    else:
-        counts += [("files removed", report.files_removed), ("reclaimed", human_bytes(report.bytes_reclaimed))]
-    print_fields(counts)
+    verb = "would reclaim" if dry_run else "reclaimed"
+    print_fields([
+        ("expired sessions (TTL)", f"{len(report.expired_sessions)} ({human_bytes(report.expired_bytes)})"),
+        ("sessions over disk budget", f"{len(report.over_budget_sessions)} ({human_bytes(report.over_budget_bytes)})"),
+        ("orphan files", report.orphan_files),
+        ("temp files", report.temp_files),
+        ("dangling chunks", report.dangling_chunks),
+        ("unreferenced chunks", report.unreferenced_chunks),
+        ("files removed", report.files_removed),
+        (verb, human_bytes(report.bytes_reclaimed)),
+        ("disk before / after", f"{human_bytes(report.disk_bytes_before)} / {human_bytes(report.disk_bytes_after)}"),
+        ("took", f"{report.seconds * 1000:.0f} ms"),
+    ])
     if dry_run:
         click.echo("(dry run: nothing was removed)")

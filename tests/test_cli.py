@@ -389,3 +389,20 @@ def test_repl_option_errors(tmp_path: Path) -> None:
     assert res.exit_code == ExitCode.USAGE
     res = run("repl", "--model", "tiny:llama", "--kv-quant", "int3", input="")
     assert res.exit_code == ExitCode.USAGE and "int8" in res.stderr
+
+
+def test_gc_expires_kv_by_ttl_and_keeps_history(chatkv_home: Path) -> None:
+    from chatkv import Chat
+
+    c = Chat("old", model="tiny:llama", chunk_tokens=16, max_new_tokens=4)
+    c.send("hello there")
+    c.close()
+    before = json.loads(run("sessions", "show", "old", "--json").stdout)
+    dry = json.loads(run("sessions", "gc", "--ttl", "0s", "--dry-run", "--json").stdout)
+    assert dry["expired_sessions"] == ["old"] and dry["bytes_reclaimed"] > 0
+    report = json.loads(run("sessions", "gc", "--ttl", "0s", "--json").stdout)
+    assert report["expired_sessions"] == ["old"]
+    assert report["disk_bytes_after"] < report["disk_bytes_before"]
+    after = json.loads(run("sessions", "show", "old", "--json").stdout)
+    assert len(after["messages"]) == len(before["messages"]) == 2
+    assert run("sessions", "gc", "--ttl", "soon").exit_code == 2
