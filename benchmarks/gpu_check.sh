@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for chatkv's fused paged attention (issue 8), for a machine with one
 # NVIDIA GPU and no network; under 8 minutes. Runs the Triton kernel tests on
-# CUDA, then times decode attention (benchmarks/gpu_check.py). The Markdown
+# CUDA, then times decode attention (benchmarks/gpu_check.py) and a session
+# restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py). The Markdown
 # table and the test log go to $OUT when it is set.
 #
 #   benchmarks/gpu_check.sh            # on the GPU machine
@@ -28,10 +29,12 @@ fi
 if [[ "${1:-}" == "--dry-run" ]]; then
     export TRITON_INTERPRET=1
     BENCH_ARGS=(--dry-run)
+    RESTORE_ARGS=(--dry-run)
     TEST_TIMEOUT=300
 else
     unset TRITON_INTERPRET
-    BENCH_ARGS=(--budget-s 250 --flex-budget-s 160)
+    BENCH_ARGS=(--budget-s 220 --flex-budget-s 140)
+    RESTORE_ARGS=()
     TEST_TIMEOUT=120
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         || { echo "no CUDA device visible (use --dry-run on a CPU)"; exit 2; }
@@ -52,5 +55,8 @@ else
 fi
 
 echo "== decode attention timing (benchmarks/gpu_check.py) =="
-timeout 320 "$PY" benchmarks/gpu_check.py "${BENCH_ARGS[@]}" || status=1
+timeout 290 "$PY" benchmarks/gpu_check.py "${BENCH_ARGS[@]}" || status=1
+
+echo "== session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py) =="
+timeout 120 "$PY" benchmarks/gpu_restore.py "${RESTORE_ARGS[@]}" || status=1
 exit $status

@@ -132,24 +132,41 @@ class OffloadedKV:
         """True when reloading gives back exactly the KV that was offloaded."""
         return self.exact and (self.scheme == "none" or self.k is None)
 
-    def to(self, device: torch.device) -> "OffloadedKV":
-        """A copy on ``device`` (pinned host memory when moving off a CUDA device)."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if device.type == "cpu" and t.is_cuda:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                return host
-            return t.to(device, non_blocking=True)
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held, in a fixed order (see :meth:`with_tensors`)."""
+        out = []
+        for q in (self.k, self.v):
+            if q is not None:
+                out += [t for t in (q.data, q.scale, q.zero) if t is not None]
+        return out + [self.tail]
 
-        def move_q(q: QuantizedKV | None) -> QuantizedKV | None:
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "OffloadedKV":
+        """A copy holding ``tensors`` (same order as :meth:`tensors`) instead."""
+        it = iter(tensors)
+
+        def take(q: QuantizedKV | None) -> QuantizedKV | None:
             if q is None:
                 return None
-            return dataclasses.replace(
-                q, data=move(q.data), scale=None if q.scale is None else move(q.scale),
-                zero=None if q.zero is None else move(q.zero),
-            )
+            data = next(it)
+            scale = next(it) if q.scale is not None else None
+            zero = next(it) if q.zero is not None else None
+            return dataclasses.replace(q, data=data, scale=scale, zero=zero)
 
-        return dataclasses.replace(self, k=move_q(self.k), v=move_q(self.v), tail=move(self.tail))
+        k, v = take(self.k), take(self.v)
+        return dataclasses.replace(self, k=k, v=v, tail=next(it))
+
+    def to(self, device: torch.device) -> "OffloadedKV":
+        """A copy on ``device``. Off a CUDA device it lands in pinned host memory,
+        copied on a side stream (see :mod:`chatkv.transfer`); onto CUDA the
+        current stream waits for the side-stream copy."""
+        from chatkv import transfer
+
+        tensors = self.tensors()
+        if device.type == "cpu":
+            moved = transfer.to_host(tensors)
+        else:
+            moved = transfer.to_device(tensors, device)
+        return self.with_tensors(moved)
 
 
 def offload(pool: "BlockPool", seq: "Sequence", scheme: str, lock: threading.RLock) -> OffloadedKV:
@@ -181,27 +198,19 @@ def reload(pool: "BlockPool", seq: "Sequence", off: OffloadedKV, lock: threading
     pool's device). Lossy KV marks the sequence inexact."""
     L = off.num_layers
     dtype, device = pool.kv.dtype, pool.kv.device
+    if off.tail.device != device:
+        off = off.to(device)
     parts = []
     if off.k is not None and off.v is not None:
-        k = dequantize(_on(off.k, device), dtype)
-        v = dequantize(_on(off.v, device), dtype)
+        k = dequantize(off.k, dtype)
+        v = dequantize(off.v, dtype)
         h, d = k.shape[-2:]
         parts.append(torch.stack([k.reshape(L, -1, h, d), v.reshape(L, -1, h, d)], dim=1))
-    parts.append(off.tail.to(device=device, dtype=dtype, non_blocking=True))
+    parts.append(off.tail.to(dtype=dtype))
     kv = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     with lock:
         assert seq.num_computed == 0 and not seq.block_table, "reload needs an empty sequence"
         pool.write_tokens(seq, off.token_ids, kv, exact=off.lossless)
-
-
-def _on(q: QuantizedKV, device: torch.device) -> QuantizedKV:
-    if q.data.device == device:
-        return q
-    return dataclasses.replace(
-        q, data=q.data.to(device, non_blocking=True),
-        scale=None if q.scale is None else q.scale.to(device, non_blocking=True),
-        zero=None if q.zero is None else q.zero.to(device, non_blocking=True),
-    )
 
 
 @dataclass

@@ -219,3 +219,29 @@ def test_gc_concurrent_with_an_active_chat_keeps_its_chunks():
     c.close()
     again = chat(engine_with(), "live")
     assert again.wait_restored().cached_tokens == cached
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_uses_pinned_memory_and_round_trips():
+    import torch
+
+    from chatkv.sequence import Sequence
+    from chatkv.tiers import offload, reload
+
+    loaded = load_model("tiny:llama", device="cuda")
+    engine = Engine(loaded, EngineConfig(num_blocks=64, block_size=BS, device="cuda"))
+    seq = Sequence(token_ids=list(range(1, 31)))
+    engine.prefill(seq)
+    for scheme in ("none", "int8"):
+        off = offload(engine.pool, seq, scheme, engine.lock).to(torch.device("cpu"))
+        assert all(t.is_pinned() for t in off.tensors())
+        back = Sequence()
+        reload(engine.pool, back, off, engine.lock)
+        a = engine.pool.read_tokens(seq, 0, 30)
+        b = engine.pool.read_tokens(back, 0, 30)
+        if scheme == "none":
+            assert torch.equal(a, b) and back.exact
+        else:
+            assert (a - b).abs().max() < 0.05 * a.abs().max() and not back.exact
+        engine.pool.release(back)
