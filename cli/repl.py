@@ -233,6 +233,14 @@ def stats_lines(chat: "Chat", store: "Store") -> list[str]:
                      f"{human_bytes(disk.shared)} shared with other sessions)")
     except Exception as exc:  # a session not saved yet, or a storage hiccup: stats stay usable
         lines.append(f"  disk:   - ({exc})")
+    if s is not None:
+        lines.append(f"  this turn's KV came from: {s.kv_source}")
+    tiers = chat.tiers.stats()
+    lines.append("  engine tiers: " + ", ".join(
+        f"{tier} {tiers.sessions[tier]} ({human_bytes(tiers.bytes[tier])})"
+        for tier in ("device", "quantized", "host", "disk") if tiers.sessions[tier]) +
+        f"; quantization {chat.tiers.config.quant_scheme}, "
+        f"{tiers.bytes_per_token[chat.tiers.config.quant_scheme]:.0f} B/token")
     return lines
 
 
