@@ -1,0 +1,1 @@
+"""Benchmarks and reports for chatkv (run as ``python -m benchmarks.<name>``)."""
