@@ -58,6 +58,10 @@ BASELINE = "full precision"
 # --- model -------------------------------------------------------------------
 
 
+#: The chatkv fingerprint of the model measured, when it was loaded through chatkv.
+LOADED_FINGERPRINT: str | None = None
+
+
 def load_default_model(device: str = "cpu") -> tuple[Any, Any, str]:
     """SmolLM2-135M-Instruct in float32, via ``chatkv.models`` when it works.
 
@@ -69,6 +73,8 @@ def load_default_model(device: str = "cpu") -> tuple[Any, Any, str]:
         from chatkv.models import load_model
 
         loaded = load_model(dtype=torch.float32, device=device)
+        global LOADED_FINGERPRINT
+        LOADED_FINGERPRINT = loaded.fingerprint
         return loaded.model, loaded.tokenizer, loaded.name
     except Exception as exc:  # noqa: BLE001 -- the engine's loader is optional here
         print(f"chatkv.models.load_model failed ({exc!r}); loading the GGUF directly", file=sys.stderr)
@@ -440,6 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = run(args)
     write_report(args.out, report)
+    if LOADED_FINGERPRINT is not None:
+        # Hand the measurement to chatkv's quality gate (it outranks the built-in calibration).
+        from chatkv.fidelity import FidelityResult, record
+
+        for scheme, r in report["schemes"].items():
+            if scheme != BASELINE and scheme in ("int8", "fp8", "int4"):
+                record(LOADED_FINGERPRINT, FidelityResult(scheme, r["top1_agreement"], r["kl_mean"],
+                                                          int(report["meta"]["positions"])))
     missed = [s for s, r in report["schemes"].items() if r["meets_floor"] is False]
     return 1 if missed else 0
 

@@ -41,6 +41,17 @@ CALIBRATION: list[dict[str, str]] = [
         "cheap to scan anyway, on a column with very few distinct values, and on tables that take far "
         "more writes than reads. Measure with the query planner before and after: an index that the "
         "planner never chooses only costs you.")},
+    {"role": "user", "content": "How do I find slow queries in PostgreSQL in the first place?"},
+    {"role": "assistant", "content": (
+        "Turn on the pg_stat_statements extension: it records, for every normalized query, how often it "
+        "ran, the total and mean execution time, and the rows it returned. Sort by total time to find the "
+        "queries that cost the most overall, and by mean time to find the ones that are slow each time. "
+        "For a single query, run EXPLAIN (ANALYZE, BUFFERS) to see the plan the planner chose, the time "
+        "spent in each step, and whether it read from the cache or from disk. Look for sequential scans "
+        "on large tables, nested loops over many rows, and estimates that are far from the actual row "
+        "counts, which usually means the statistics are stale and ANALYZE should be run. You can also set "
+        "log_min_duration_statement to log every query slower than a threshold, such as 500 milliseconds, "
+        "and review the log during busy hours. Fix the worst offender first, measure again, and repeat.")},
 ]
 
 _LOCK = threading.Lock()
@@ -63,11 +74,12 @@ def _template(engine: "Engine", messages: list[dict[str, str]], generation_promp
 
 
 def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | None = None,
-            max_forced: int = 64) -> FidelityResult:
+            max_forced: int = 512) -> FidelityResult:
     """Compare next-token predictions over the last assistant turn of
     ``conversation`` with its history's KV at full precision vs through ``scheme``.
 
-    Uses two temporary sequences in the engine's pool (released before return).
+    The whole reply is teacher-forced in one forward pass per copy. Uses two
+    temporary sequences in the engine's pool (released before return).
 
     Raises:
         OutOfBlocksError: the pool cannot hold two copies of the conversation.
@@ -89,17 +101,17 @@ def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | 
             engine.runner.forward([StepInput(exact, list(prefix))])
         off = offload(pool, exact, scheme, lock)
         reload(pool, lossy, off, lock)
-        agree, kl = 0, 0.0
-        for token in forced:
-            exact.token_ids.append(token)
-            lossy.token_ids.append(token)
-            with lock:
-                a = engine.runner.forward([StepInput(exact, [token])])[0]
-                b = engine.runner.forward([StepInput(lossy, [token])])[0]
-            agree += int(a.argmax() == b.argmax())
-            la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-            kl += float((la.exp() * (la - lb)).sum())
-        return FidelityResult(scheme, agree / len(forced), kl / len(forced), len(forced))
+        # Position i predicts forced[i + 1]; the prefix's last logits predict forced[0].
+        exact.token_ids += forced
+        lossy.token_ids += forced
+        with lock:
+            a = engine.runner.forward([StepInput(exact, forced)], all_logits=True)[:-1]
+            b = engine.runner.forward([StepInput(lossy, forced)], all_logits=True)[:-1]
+        agree = int((a.argmax(-1) == b.argmax(-1)).sum())
+        la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        kl = float((la.exp() * (la - lb)).sum(-1).sum())
+        n = a.shape[0]
+        return FidelityResult(scheme, agree / n, kl / n, n)
     finally:
         with lock:
             pool.release(exact)
@@ -119,34 +131,49 @@ def cached_results(fingerprint: str) -> dict[str, FidelityResult]:
     return {k: FidelityResult(**v) for k, v in data.get(fingerprint, {}).items()}
 
 
+def record(fingerprint: str, result: FidelityResult) -> None:
+    """Store a measurement for the model with ``fingerprint``; it replaces the
+    stored one for that scheme only if it covers at least as many tokens (a
+    report over real conversations outranks the built-in calibration)."""
+    path = _cache_path()
+    with _LOCK:
+        try:
+            data = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            data = {}
+        known = data.setdefault(fingerprint, {})
+        old = known.get(result.scheme)
+        if old is not None and old.get("tokens", 0) > result.tokens:
+            return
+        known[result.scheme] = asdict(result)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable home only costs measuring again next time
+
+
 def passes_floor(engine: "Engine", scheme: str, floor: float) -> bool:
     """True if ``scheme``'s top-1 agreement for this model is at least ``floor``.
 
-    Measured once per model fingerprint (see :func:`measure`) and cached in the
-    home directory. A floor of 0 or less passes without measuring; a scheme that
-    cannot be measured (pool too small) does not pass.
+    Uses the stored measurement with the most tokens for this model's
+    fingerprint (``python -m benchmarks.fidelity`` records one over real
+    ShareGPT conversations); without one, measures the built-in calibration
+    conversation once (see :func:`measure`) and stores it. A floor of 0 or
+    less passes without measuring; a scheme that cannot be measured (pool too
+    small) does not pass.
     """
     if floor <= 0:
         return True
     fp = engine.loaded.fingerprint
-    with _LOCK:
-        known = cached_results(fp)
-        if scheme not in known:
-            try:
-                known[scheme] = measure(engine, scheme)
-            except (OutOfBlocksError, ValueError):
-                return False
-            path = _cache_path()
-            try:
-                data = json.loads(path.read_text()) if path.exists() else {}
-            except (OSError, ValueError):
-                data = {}
-            data.setdefault(fp, {})[scheme] = asdict(known[scheme])
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(data, indent=1))
-                os.replace(tmp, path)
-            except OSError:
-                pass  # an unwritable home only costs measuring again next time
-        return known[scheme].top1_agreement >= floor
+    known = cached_results(fp)
+    if scheme not in known:
+        try:
+            result = measure(engine, scheme)
+        except (OutOfBlocksError, ValueError):
+            return False
+        record(fp, result)
+        known = cached_results(fp) or {scheme: result}
+    return known.get(scheme, FidelityResult(scheme, 0.0, 0.0, 0)).top1_agreement >= floor

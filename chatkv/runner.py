@@ -93,20 +93,25 @@ class ModelRunner:
         return meta, input_ids, position_ids
 
     @torch.inference_mode()
-    def forward(self, batch: list[StepInput]) -> torch.Tensor:
+    def forward(self, batch: list[StepInput], all_logits: bool = False) -> torch.Tensor:
         """Compute the KV of every new token in place and the logits of each
-        sequence's last new token.
+        sequence's last new token (of every new token with ``all_logits``, for
+        teacher forcing).
 
         On success each sequence's ``num_computed`` advances by its token count
         and newly filled blocks are hashed for prefix sharing.
 
         Returns:
-            ``[len(batch), vocab]`` float32 logits.
+            ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
+            with ``all_logits``.
         """
         meta, input_ids, position_ids = self.build_metadata(batch)
-        last = torch.tensor(
-            [int(c) - 1 for c in meta.cu_seqlens_q[1:].tolist()], dtype=torch.long, device=self.device
-        )
+        if all_logits:
+            last = torch.arange(input_ids.shape[1], device=self.device)
+        else:
+            last = torch.tensor(
+                [int(c) - 1 for c in meta.cu_seqlens_q[1:].tolist()], dtype=torch.long, device=self.device
+            )
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -115,7 +120,7 @@ class ModelRunner:
             chatkv_meta=meta,
         )
         logits = out.logits[0].float()
-        assert logits.shape[0] == len(batch), (logits.shape, len(batch))
+        assert logits.shape[0] == last.shape[0], (logits.shape, last.shape)
         for item in batch:
             self.pool.commit(item.seq, len(item.tokens))
         return logits
