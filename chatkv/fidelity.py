@@ -86,14 +86,25 @@ def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | 
     """
     from chatkv.tiers import offload, reload
 
-    messages = conversation or CALIBRATION
+    messages = list(conversation or CALIBRATION)
     assert messages[-1]["role"] == "assistant", "the conversation must end with an assistant turn"
-    prefix = _template(engine, messages[:-1], True)
-    full = _template(engine, messages, False)
-    forced = full[len(prefix):][:max_forced]
+    pool, lock = engine.pool, engine.lock
+    # Two copies must fit the pool, and one the context window: drop the oldest
+    # exchanges (keeping a system prompt) until they do.
+    budget = min(engine.max_context - 1, (pool.num_available // 2 - 1) * pool.block_size)
+    while True:
+        prefix = _template(engine, messages[:-1], True)
+        full = _template(engine, messages, False)
+        forced = full[len(prefix):][:max_forced]
+        first = 1 if messages[0]["role"] == "system" else 0
+        if len(prefix) + len(forced) <= budget or len(messages) - first <= 2:
+            break
+        del messages[first : first + 2]
     if full[: len(prefix)] != prefix or not forced:
         raise ValueError("the chat template does not extend the history with the assistant turn")
-    pool, lock = engine.pool, engine.lock
+    forced = forced[: max(0, budget - len(prefix))]
+    if len(forced) < 16:
+        raise OutOfBlocksError("the calibration conversation does not fit the pool or the context window")
     exact = Sequence(token_ids=list(prefix))
     lossy = Sequence()
     try:
