@@ -24,6 +24,7 @@ _LAZY = {
     "EngineConfig": "chatkv.config",
     "SamplingParams": "chatkv.config",
     "LoadedModel": "chatkv.models",
+    "TierConfig": "chatkv.tiers",
     "load_model": "chatkv.models",
 }
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from chatkv.config import EngineConfig, SamplingParams
     from chatkv.engine import Engine, get_engine
     from chatkv.models import LoadedModel, load_model
+    from chatkv.tiers import TierConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from chatkv import aio
 from chatkv.config import EngineConfig, SamplingParams
 from chatkv.engine import Engine, GenerationResult, get_engine
 from chatkv.errors import (
@@ -313,6 +314,11 @@ class Chat:
         return self._state.seq.num_computed
 
     # -- turns -------------------------------------------------------------------
+
+    #: ``await chat.asend(text)``: :meth:`send` for asyncio (see :mod:`chatkv.aio`).
+    asend = aio.asend
+    #: ``async for piece in chat.astream(text)``: :meth:`stream` for asyncio.
+    astream = aio.astream
 
     def send(self, text: str, **sampling: Any) -> str:
         """Send a user message and return the assistant's whole reply.

@@ -52,8 +52,17 @@ class EngineConfig:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when present.
         attention_backend: ``"torch"``, ``"triton"``, ``"flex"`` or ``"auto"``
             (triton on CUDA when importable, torch otherwise).
-        max_prefill_tokens: the longest chunk one forward call prefills; longer
-            deltas are split so activations stay bounded.
+        max_prefill_tokens: prefill tokens one scheduler step takes across all
+            turns (decode tokens first); longer deltas are split into chunks so
+            activations stay bounded and decoding sessions are not stalled.
+        max_num_seqs: the most sequences one batched step runs (turns beyond
+            it wait their turn).
+        max_waiting: the most turns waiting to start; more raise
+            :class:`~chatkv.errors.QueueFullError`.
+        block_wait_s: how long a turn that cannot fit in the pool, even with
+            every other turn in flight preempted, waits for blocks to free up
+            (sessions closing, idle ones demoted) before it fails with
+            :class:`~chatkv.errors.OutOfBlocksError`.
     """
 
     block_size: int = 16
@@ -62,6 +71,9 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str = "auto"
     max_prefill_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting: int = 1024
+    block_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -77,6 +89,12 @@ class EngineConfig:
             )
         if self.max_prefill_tokens < 1:
             raise ConfigError("max_prefill_tokens must be positive")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_waiting < 1:
+            raise ConfigError(f"max_waiting must be positive, got {self.max_waiting}")
+        if self.block_wait_s < 0:
+            raise ConfigError(f"block_wait_s must be >= 0, got {self.block_wait_s}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":

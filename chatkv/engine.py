@@ -1,29 +1,29 @@
 """The engine: one loaded model, its block pool and runner, and generation.
 
-``Engine.generate`` prefills a sequence's uncomputed tokens (in chunks) on top
-of its cached blocks, then decodes token by token, streaming text pieces.
-Every pool mutation and forward pass happens under the engine's lock, one step
-at a time, so sessions used from several threads interleave safely.
+``Engine.generate`` hands a sequence to the engine's scheduler
+(:mod:`chatkv.scheduler`), which prefills its uncomputed tokens in chunks on
+top of its cached blocks and then decodes it, batched with every other turn in
+flight, and streams its text pieces back. Every pool mutation and forward pass
+happens under the engine's lock, so other code (a session aligning its cache,
+persistence, the tier manager) can take it too.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.config import EngineConfig, SamplingParams
-from chatkv.detokenizer import TextStreamer
 from chatkv.errors import ContextWindowExceededError
 from chatkv.models import LoadedModel, load_model
 from chatkv.runner import ModelRunner, StepInput
-from chatkv.sampling import Sampler
+from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
 
 
@@ -37,6 +37,8 @@ class GenerationResult:
     prefilled_tokens: int = 0
     ttft_s: float | None = None
     decode_s: float = 0.0
+    preemptions: int = 0  # times the scheduler released its KV under memory pressure
+    recomputed_tokens: int = 0  # tokens computed again after preemptions
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -75,6 +77,11 @@ class Engine:
         pool: the block pool (one per engine).
         lock: held for every pool mutation and forward pass.
         sessions: in-process sessions by id (used by :class:`chatkv.Chat`).
+        scheduler: batches every turn in flight into shared forward passes.
+        reclaimer: None, or a callable the scheduler calls (from its thread,
+            without ``lock`` held) with a number of blocks it wants available
+            when a step is short of blocks, before it preempts a turn in flight.
+            The tier manager can bind it to demote idle sessions.
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
@@ -101,6 +108,8 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self.lock = threading.RLock()
         self.sessions: dict[str, Any] = {}
+        self.reclaimer: Callable[[int], Any] | None = None
+        self.scheduler = Scheduler(self)
 
     @property
     def tokenizer(self) -> Any:
@@ -114,7 +123,8 @@ class Engine:
 
     def prefill(self, seq: Sequence) -> tuple[torch.Tensor, int]:
         """Compute KV for every token of ``seq`` past ``num_computed``, in chunks of
-        at most ``config.max_prefill_tokens``.
+        at most ``config.max_prefill_tokens``, in the caller's thread (outside the
+        scheduler; :meth:`generate` is what batches).
 
         Returns:
             ``(logits of the last token [vocab], number of tokens prefilled)``.
@@ -135,13 +145,24 @@ class Engine:
                  ) -> Iterator[str]:
         """Prefill ``seq``'s uncomputed tokens, then decode, yielding text pieces.
 
-        Sampled tokens are appended to ``seq.token_ids``; the last one (EOS or
-        the final token) is left uncomputed. ``result`` (if given) is filled in
-        as generation proceeds, including when the consumer stops early or the
-        process is interrupted (``finish_reason == "interrupted"``).
+        The turn is queued to :attr:`scheduler`, which runs it batched with every
+        other turn in flight; this generator yields the pieces it produces, in
+        the caller's thread. Sampled tokens are appended to ``seq.token_ids``;
+        the last one (EOS or the final token) is left uncomputed. ``seq`` belongs
+        to the scheduler until the generator ends: the caller must not touch it
+        meanwhile (``Chat`` allows one turn per session at a time). ``result``
+        (if given) is complete when the generator ends, including when the
+        consumer stops early (``close()``, garbage collection) or is interrupted
+        (``KeyboardInterrupt``): the turn is then cancelled at the next step and
+        ``finish_reason`` is ``"interrupted"``, with what was generated so far
+        kept: exactly the pieces the consumer took (tokens the engine ran ahead
+        with are dropped, their KV too).
 
         Raises:
             ContextWindowExceededError: the prompt alone leaves no room to generate.
+            QueueFullError: ``config.max_waiting`` turns are already waiting to start.
+            OutOfBlocksError: the turn cannot fit in the pool even with every
+                other turn in flight preempted.
         """
         result = result if result is not None else GenerationResult()
         if len(seq.token_ids) >= self.max_context:
@@ -149,46 +170,8 @@ class Engine:
                 f"the conversation is {len(seq.token_ids)} tokens; the model's context window is "
                 f"{self.max_context}"
             )
-        sampler = Sampler(params)
-        streamer = TextStreamer(self.tokenizer, params.stop)
-        start = time.perf_counter()
-        result.finish_reason = "interrupted"
-        decode_start: float | None = None
-        try:
-            logits, result.prefilled_tokens = self.prefill(seq)
-            while True:
-                token = sampler(logits)
-                seq.token_ids.append(token)
-                result.token_ids.append(token)
-                if result.ttft_s is None:
-                    result.ttft_s = time.perf_counter() - start
-                    decode_start = time.perf_counter()
-                if token in self.eos_ids and not params.ignore_eos:
-                    result.finish_reason = "eos"
-                    break
-                piece = streamer.push(token)
-                if piece:
-                    result.text += piece
-                    yield piece
-                if streamer.stopped:
-                    result.finish_reason = "stop"
-                    break
-                if len(result.token_ids) >= params.max_new_tokens:
-                    result.finish_reason = "length"
-                    break
-                if len(seq.token_ids) >= self.max_context:
-                    result.finish_reason = "context"
-                    break
-                with self.lock:
-                    logits = self.runner.forward([StepInput(seq, [token])])[0]
-            piece = streamer.flush()
-            if piece:
-                result.text += piece
-                yield piece
-        finally:
-            result.text = streamer.reply
-            if decode_start is not None:
-                result.decode_s = time.perf_counter() - decode_start
+        request = self.scheduler.submit(seq, params, result)
+        yield from self.scheduler.stream(request)
 
 
 _ENGINES: dict[tuple, Engine] = {}

@@ -44,3 +44,8 @@ class SessionBusyError(ChatKVError, RuntimeError):
 class ChatKVWarning(UserWarning):
     """Something was recovered from without losing the conversation: a cache made
     by another model, a corrupt chunk, a save that failed (full disk)."""
+
+
+class QueueFullError(ChatKVError, RuntimeError):
+    """The engine already has ``EngineConfig.max_waiting`` turns waiting to start;
+    this one was refused before it began (the session is unchanged). Retry later."""

@@ -522,6 +522,9 @@ def tier_manager(engine: "Engine", config: TierConfig | None = None) -> TierMana
     if manager is None:
         manager = TierManager(engine, config)
         engine._tier_manager = manager  # type: ignore[attr-defined]
+        # When a running turn needs blocks, demote idle sessions before the
+        # scheduler preempts turns in flight.
+        engine.reclaimer = lambda wanted: manager.reserve(None, wanted)
     elif config is not None:
         manager.stop()
         manager.config = config

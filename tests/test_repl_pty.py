@@ -93,10 +93,12 @@ def test_repl_session_survives_restart_with_interrupt(tmp_path: Path) -> None:
     child.expect(r"\[interrupted\]")
     child.expect(PROMPT)
     reused4, prefilled4 = send_message(child, "and now?")
-    # Restored KV is used: the turn prefills only the new message and what follows
-    # the cached tokens, not the history.
-    assert reused4 >= cached - 16, (reused4, prefilled4, cached)
-    assert prefilled4 < cached // 2
+    # Restored KV is used: everything up to the interrupted turn's prompt comes from
+    # disk. (The tiny model emits random bytes; as text they become U+FFFD, which
+    # re-tokenizes differently from the generated ids, so the partial reply itself
+    # is recomputed. SmolLM2's cross-process test shows the exact count.)
+    earlier = reused2 + prefilled2
+    assert reused4 >= earlier, (reused4, prefilled4, cached)
     child.sendline("/exit")
     child.expect(pexpect.EOF)
     child.close()

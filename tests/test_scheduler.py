@@ -1,0 +1,229 @@
+"""Continuous batching: concurrent sessions share forward passes and still answer
+exactly as they would alone; cancellation, preemption and backpressure."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import threading
+from contextlib import aclosing
+
+import pytest
+
+from chatkv import Chat, EngineConfig
+from chatkv.aio import asend, astream
+from chatkv.engine import Engine
+from chatkv.errors import OutOfBlocksError, QueueFullError
+from chatkv.models import load_model
+from chatkv.channel import Pending, next_nonblocking
+from chatkv.sequence import Sequence
+
+TURNS = ("Hello there", "Tell me a story", "Ünïcödé 🙂 ok?")
+
+
+def make_engine(**cfg: object) -> Engine:
+    cfg.setdefault("num_blocks", 512)
+    cfg.setdefault("block_size", 4)
+    return Engine(load_model("tiny:llama"), EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+def conversation(engine: Engine, i: int, **sampling: object) -> tuple[list[str], list[list[int]]]:
+    """Run session ``i``'s 3-turn conversation (one of 4 distinct ones: sessions
+    with the same one share prefix blocks); returns its replies and token ids."""
+    chat = Chat(f"user-{i}", system=f"You are bot {i % 4}.", engine=engine, persist=False, **sampling)
+    replies, tokens = [], []
+    for text in TURNS:
+        replies.append(chat.send(f"{text} #{i % 4}"))
+        tokens.append(list(chat.last_generation.token_ids))
+    chat.close()
+    return replies, tokens
+
+
+def run_threads(n: int, target) -> list:
+    results: list = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = target(i)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+def test_16_threads_match_their_conversations_run_alone():
+    alone = make_engine()
+    want = [conversation(alone, i, max_new_tokens=8) for i in range(4)]
+    assert alone.scheduler.stats.max_batch_seqs == 1
+    assert len({tuple(map(tuple, w[1])) for w in want}) == 4  # four different conversations
+
+    engine = make_engine()
+    got = run_threads(16, lambda i: conversation(engine, i, max_new_tokens=8))
+    for i, g in enumerate(got):
+        assert g == want[i % 4], f"session {i}"
+    stats = engine.scheduler.stats
+    assert stats.max_batch_seqs > 1, stats  # turns really shared forward passes
+    assert stats.steps < 4 * alone.scheduler.stats.steps
+    assert stats.finished == 48 and stats.failed == stats.cancelled == 0
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_32_concurrent_astreams_some_cancelled():
+    prompts = [f"question {i % 4}" for i in range(32)]
+    alone = make_engine()
+    want = {}
+    for p in sorted(set(prompts)):
+        chat = Chat(f"ref-{p[-1]}", engine=alone, persist=False, max_new_tokens=12, ignore_eos=True)
+        want[p] = chat.send(p)
+
+    engine = make_engine()
+    chats = [Chat(f"a-{i}", engine=engine, persist=False, max_new_tokens=12, ignore_eos=True) for i in range(32)]
+    cancel = {i for i in range(32) if i % 4 == 1}
+
+    async def consume(i: int, started: asyncio.Event) -> str:
+        pieces = []
+        async with aclosing(astream(chats[i], prompts[i])) as stream:
+            async for piece in stream:
+                pieces.append(piece)
+                started.set()
+        return "".join(pieces)
+
+    async def main() -> list:
+        events = [asyncio.Event() for _ in chats]
+        tasks = [asyncio.create_task(consume(i, events[i])) for i in range(32)]
+        for i in cancel:
+            await events[i].wait()
+            tasks[i].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    for i, r in enumerate(results):
+        if i in cancel:
+            assert isinstance(r, asyncio.CancelledError) or r == want[prompts[i]], i
+            if isinstance(r, asyncio.CancelledError):
+                assert chats[i].last_stats.finish_reason == "interrupted"
+                assert chats[i].history[-1].partial
+        else:
+            assert r == want[prompts[i]], i
+            assert chats[i].last_stats.finish_reason == "length"
+    assert engine.scheduler.stats.max_batch_seqs > 1
+    assert engine.scheduler.stats.cancelled >= 1
+    # A cancelled session is still usable.
+    i = min(cancel)
+    assert asyncio.run(asend(chats[i], "again"))
+    for chat in chats:
+        chat.close()
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_preemption_under_a_small_pool_keeps_greedy_tokens():
+    # Each turn ends at 18 + 23 computed tokens (11 blocks): one fits the pool alone, four
+    # do not fit together, so the latest arrivals are preempted and recomputed.
+    def turn(engine: Engine, i: int) -> list[int]:
+        chat = Chat(f"p-{i}", engine=engine, persist=False, max_new_tokens=24, ignore_eos=True)
+        chat.send(f"hi {i}")
+        tokens = list(chat.last_generation.token_ids)
+        chat.close()
+        return tokens
+
+    alone = make_engine()
+    want = [turn(alone, i) for i in range(4)]
+    engine = make_engine(num_blocks=24, block_wait_s=30.0)
+    got = run_threads(4, lambda i: turn(engine, i))
+    assert got == want
+    assert engine.scheduler.stats.preemptions > 0
+    assert engine.scheduler.stats.failed == 0
+    assert engine.pool.stats().used_blocks == 0
+
+
+def hog_blocks(engine: Engine, tokens: int) -> Sequence:
+    """Blocks held outside any session (nothing can demote or preempt them)."""
+    hog = Sequence(token_ids=list(range(tokens)))
+    with engine.lock:
+        engine.pool.prepare_write(hog, tokens)
+        engine.pool.commit(hog, tokens)
+    return hog
+
+
+def test_a_turn_that_cannot_fit_alone_waits_then_fails():
+    engine = make_engine(num_blocks=16, block_wait_s=0.2)
+    hog = hog_blocks(engine, 40)  # 10 of the 16 blocks
+    chat = Chat("late", engine=engine, persist=False, max_new_tokens=20, ignore_eos=True)
+    text = "Tell me a story about the quick brown fox"  # 38 tokens: 10 blocks
+    with pytest.raises(OutOfBlocksError, match="came free"):
+        chat.send(text)
+    assert chat.messages == []
+    # Blocks that come free while the turn waits are used.
+    engine.config.block_wait_s = 30.0
+    def free_hog() -> None:
+        with engine.lock:
+            engine.pool.release(hog)
+
+    threading.Timer(0.3, free_hog).start()
+    assert chat.send(text)
+    assert chat.last_stats.finish_reason == "length"
+    chat.close()
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_a_full_queue_refuses_new_turns():
+    engine = make_engine(max_waiting=2)
+    chats = [Chat(f"q-{i}", engine=engine, persist=False, max_new_tokens=4) for i in range(3)]
+    # Holding the engine lock keeps the step loop from admitting anything.
+    with engine.lock:
+        streams = [chats[i].stream("hi") for i in range(2)]
+        for s in streams:
+            assert isinstance(next_nonblocking(s), Pending)
+        with pytest.raises(QueueFullError, match="max_waiting"):
+            next(chats[2].stream("hi"))
+        assert engine.scheduler.num_waiting == 2
+    replies = ["".join(s) for s in streams]
+    assert all(len(chats[i].messages) == 2 for i in range(2)) and replies
+    assert chats[2].messages == []
+    assert chats[2].send("hi")  # the queue drained: accepted now
+    assert engine.scheduler.stats.rejected == 1
+    for chat in chats:
+        chat.close()
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn():
+    engine = make_engine()
+    chat = Chat("ctrlc", engine=engine, persist=False, max_new_tokens=400, ignore_eos=True)
+    other = Chat("other", engine=engine, persist=False, max_new_tokens=4)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in chat.stream("go on and on"):
+            if not got:
+                threading.Timer(0.05, _thread.interrupt_main).start()
+            got.append(piece)
+    assert chat.last_stats.finish_reason == "interrupted"
+    assert chat.history[-1].partial
+    assert chat.messages[-1]["content"].startswith("".join(got))
+    assert other.send("still serving")
+    chat.send("next")
+    assert not chat.history[-1].partial
+    chat.close()
+    other.close()
+    assert engine.pool.stats().used_blocks == 0
+
+
+def test_one_turn_per_session_at_a_time():
+    engine = make_engine()
+    chat = Chat("busy", engine=engine, persist=False, max_new_tokens=4)
+    first = chat.stream("one")
+    next_nonblocking(first)
+    from chatkv.errors import SessionBusyError
+
+    with pytest.raises(SessionBusyError):
+        chat.send("two")
+    "".join(p for p in first if isinstance(p, str))
+    assert len(chat.messages) == 2
+    chat.close()
