@@ -1,0 +1,53 @@
+"""One resume in a fresh process: the "after a process restart" tier of the benchmark.
+
+Reads a JSON request on stdin (``home``, ``session``, ``user``, ``model``,
+``threads``, ``new_tokens``, ``spawned_at``), loads the model, opens the session
+from the store at ``home``, sends ``user`` and prints one JSON line: time to
+first token counted from ``Chat()`` (``ttft_s``), from the process's spawn
+(``process_to_first_token_s``), the model load time, the restore's seconds and
+bytes, the decode seconds and the generated token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> int:
+    """Run the request on stdin; print the answer as one JSON line on stdout."""
+    req = json.loads(sys.stdin.read())
+    import torch
+
+    torch.set_num_threads(int(req["threads"]))
+    from chatkv.storage import Store
+
+    from benchmarks.replay import instrument, timed_turn
+    from chatkv.chat import Chat
+    from chatkv.engine import Engine
+    from chatkv.models import load_model
+
+    t0 = time.perf_counter()
+    spec = req["model"]
+    loaded = load_model(None if spec == "default" else spec)
+    model_load_s = time.perf_counter() - t0
+    engine = Engine(loaded)
+    marks = instrument(engine)
+    store = Store(req["home"])
+    chat_at = time.time()
+    ttft, decode, tokens, chat, parts = timed_turn(lambda: Chat(req["session"], engine=engine, store=store),
+                                            req["user"], int(req["new_tokens"]), marks)
+    info = chat.restore
+    chat.close()
+    store.close()
+    print(json.dumps({
+        "ttft_s": ttft, "decode_s": decode, "tokens": tokens, "restore_s": info.seconds,
+        "bytes_read": info.bytes_read, **parts, "cached_tokens": info.cached_tokens, "model_load_s": model_load_s,
+        "process_to_first_token_s": chat_at + ttft - float(req["spawned_at"]),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

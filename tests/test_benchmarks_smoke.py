@@ -1,0 +1,48 @@
+"""The benchmark's smoke mode end to end on the tiny model (peers whose packages
+are missing are reported, not run; llama.cpp is never run in smoke mode)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("safetensors")
+
+
+def _conversation(turns: int = 8) -> list[dict[str, str]]:
+    words = ["cache", "keys", "values", "pages", "blocks", "disk", "tiers", "resume", "prefill", "decode", "tokens"]
+    out = []
+    for i in range(turns):
+        out.append({"role": "user", "content": f"question {i}: why " + " ".join(words[i % 5: i % 5 + 6]) + "?"})
+        out.append({"role": "assistant", "content": f"answer {i}: because " + " ".join(words[i % 4: i % 4 + 7]) + "."})
+    return out
+
+
+def test_smoke_run_writes_report(tmp_path: Path) -> None:
+    from benchmarks.run import main
+
+    convs = tmp_path / "convs.json"
+    convs.write_text(json.dumps([_conversation()]))
+    out = tmp_path / "out"
+    # The restart tier spawns a Python process (seconds of imports): left to the CLI's smoke run.
+    argv = ["--smoke", "--conversations", str(convs), "--out", str(out), "--new-tokens", "4", "--restart-repeats", "0"]
+    assert main(argv) == 0
+
+    report = (out / "report.md").read_text()
+    for section in ("## Goals", "## Time to first token", "## Decode speed", "## Bytes per cached token",
+                    "## Restore bandwidth", "## Fidelity", "## Throughput"):
+        assert section in report
+    results = json.loads((out / "results.json").read_text())
+    assert results["points"], "the conversation should give at least one point"
+    systems = {s["system"] for s in results["samples"]}
+    assert {"transformers re-prefill", "chatkv hot (device)", "chatkv disk (page cache warm)"} <= systems
+    # Full-precision KV: every chatkv tier answers exactly as a re-prefill does (invariant 6).
+    ref = {s["point"]: s["tokens"] for s in results["samples"] if s["system"] == "transformers re-prefill"}
+    for s in results["samples"]:
+        if s["system"].startswith("chatkv"):
+            assert s["tokens"] == ref[s["point"]], s["system"]
+            assert s["ttft_s"] > 0
+    assert results["storage"]["bytes_on_disk"] > 0
+    assert not (out / "work").exists(), "scratch state is removed after the run"
