@@ -38,7 +38,7 @@ def test_chunk_file_metadata_and_roundtrip(store: Store, home: Path) -> None:
     assert md["format"] == "chatkv.kv_chunk" and md["format_version"] == "1"
     assert (md["fingerprint"], md["dtype"], md["block_size"], md["n_tokens"], md["quant"]) == (FP, "bfloat16", "16", "40", "int8")
     assert md["chunk_hash"] == info.hash and md["parent"] == "" and md["x.group"] == "32"
-    assert md["checksum"].startswith("sha256:") and int(md["payload_bytes"]) > 0
+    assert md["checksum"].startswith("xxh3_128:") and int(md["payload_bytes"]) > 0
     store.open_session("s")
     store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[info.hash])
     back = store.read_chunk(info.hash, fingerprint=FP)
@@ -219,3 +219,24 @@ def test_new_chunk_with_wrong_fingerprint_is_refused(store: Store) -> None:
     other = ChunkMeta("other", "paged-v1", "float32", 16)
     with pytest.raises(ValueError, match="fingerprint"):
         store.save_kv("s", token_ids=[1, 2], fingerprint=FP, chunks=[NewChunk(2, kv_for([1, 2]), other)])
+
+
+def test_files_checksummed_with_sha256_still_verify(tmp_path) -> None:
+    """Chunks written with the older sha256 checksum are read and verified as before."""
+    import torch
+
+    from chatkv.storage import ChunkMeta, Store
+    from chatkv.storage import chunkfile
+
+    store = Store(tmp_path / "home")
+    meta = ChunkMeta(fingerprint="fp", kv_format="dense", dtype="float32", block_size=4)
+    old = chunkfile.CHECKSUM_ALGORITHM
+    chunkfile.CHECKSUM_ALGORITHM = "sha256"
+    try:
+        info = store.write_chunk([1, 2, 3, 4], {"kv": torch.arange(8.0)}, meta)
+    finally:
+        chunkfile.CHECKSUM_ALGORITHM = old
+    got = chunkfile.read_chunk_file(store.path_of(info), info.hash, fingerprint="fp")
+    assert got.metadata["checksum"].startswith("sha256:")
+    assert torch.equal(got.tensors["kv"], torch.arange(8.0))
+    store.close()
