@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from .errors import CorruptChunkError, MissingChunkError, StorageWriteError
@@ -220,6 +219,66 @@ def atomic_write(path: Path, data: bytes) -> None:
         ) from e
 
 
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Open a safetensors file as read-only tensors that view a memory map of it.
+
+    Zero-copy: bytes are read from the page cache when a tensor is used (e.g.
+    copied into the block pool), so a restore copies each byte once. The map is
+    private (copy on write), so writing to a tensor never changes the file.
+    Every header field is validated.
+
+    Raises:
+        ValueError: a malformed header, unknown dtype, or offsets outside the file.
+        OSError: the file cannot be opened.
+    """
+    import json
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{size} bytes is too short for a safetensors file")
+        # Copy-on-write: reading shares the page cache; a stray write would touch a
+        # private page, never the file (and never fault).
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    n = int.from_bytes(mm[:8], "little")
+    if n <= 0 or 8 + n > size:
+        raise ValueError(f"header length {n} does not fit the {size}-byte file")
+    header = json.loads(bytes(mm[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("metadata must map strings to strings")
+    base = 8 + n
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            raise ValueError(f"bad header entry for tensor {name!r}")
+        begin, end = int(offsets[0]), int(offsets[1])
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end or base + end > size or end - begin != count * itemsize:
+            raise ValueError(f"tensor {name!r} has offsets {offsets} outside or inconsistent with the file")
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin)
+        tensors[name] = flat.view(dtype).reshape(shape)
+    return dict(meta), tensors
+
+
 def read_chunk_file(
     path: Path,
     expected_hash: ChunkHash,
@@ -247,10 +306,8 @@ def read_chunk_file(
     if expected_bytes is not None and size != expected_bytes:
         raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            md = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises several types for a torn file
+        md, tensors = map_safetensors(path)
+    except (OSError, ValueError) as e:
         raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
     if md.get("format") != FORMAT or md.get("format_version") != FORMAT_VERSION:
         raise CorruptChunkError(
