@@ -267,14 +267,16 @@ def fidelity_section(r: Results) -> list[str]:
 
 
 def throughput_section(r: Results) -> list[str]:
-    """N active sessions (a hook until continuous batching exists)."""
+    """N active sessions at once (continuous batching) vs the same run one after another."""
     tp = r.raw.get("throughput") or {}
     if not tp.get("available"):
         return ["## Throughput with N active sessions", "", f"Not measured: {tp.get('reason', 'no data')}.", ""]
-    lines = ["## Throughput with N active sessions", "", "| sessions | tokens/s | mean TTFT |",
-             "| ---: | ---: | ---: |"]
+    lines = ["## Throughput with N active sessions", "",
+             "| sessions | tokens/s at once | tokens/s one after another | ratio | mean TTFT | largest batch |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in tp["rows"]:
-        lines.append(f"| {row['sessions']} | {row['tokens_per_s']:.1f} | {row['mean_ttft_s']:.3f} s |")
+        lines.append(f"| {row['sessions']} | {row['tokens_per_s']:.1f} | {row.get('sequential_tokens_per_s', 0):.1f} "
+                     f"| {row.get('ratio', 0):.2f}x | {row['mean_ttft_s']:.3f} s | {row.get('max_batch', '-')} |")
     return lines + [""]
 
 

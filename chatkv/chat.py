@@ -68,8 +68,10 @@ class TurnStats:
             the history (e.g. a reply that re-tokenizes differently) and were
             recomputed.
         prefix_cache_tokens: reused tokens found in blocks other sessions share.
-        generated_tokens, finish_reason, ttft_s, decode_tokens_per_s, total_s:
-            the generation itself.
+        ttft_s: seconds from the call to the first token, including waiting for
+            a background restore, promotion from a lower tier and templating.
+        generated_tokens, finish_reason, decode_tokens_per_s, total_s: the
+            generation itself.
         kv_source: the tier the session's KV was in when the turn started
             (``device``, ``quantized``, ``host``, ``disk`` or ``expired``).
         bytes_written: bytes of chunk files this turn's save wrote.
@@ -358,12 +360,12 @@ class Chat:
         return self._turn(self._state, text, params)
 
     def _turn(self, state: _Session, text: str, params: SamplingParams) -> Iterator[str]:
+        started = time.perf_counter()
         state.ready.wait()
         if not state.busy.acquire(blocking=False):
             raise SessionBusyError(f"session {self.session_id!r} already has a turn in flight")
         engine = self.engine
         stats = TurnStats()
-        started = time.perf_counter()
         result = GenerationResult()
         user = Message("user", text)
         try:
@@ -377,6 +379,7 @@ class Chat:
             self._align(state.seq, ids, stats)
             room = min(len(ids) + params.max_new_tokens, engine.max_context) - state.seq.num_computed
             self.tiers.reserve(state, min(engine.pool.blocks_needed(state.seq, room), engine.pool.num_blocks))
+            generation_started = time.perf_counter()
             try:
                 yield from engine.generate(state.seq, params, result)
             finally:
@@ -386,7 +389,8 @@ class Chat:
                 stats.prefilled_tokens = result.prefilled_tokens
                 stats.generated_tokens = len(result.token_ids)
                 stats.finish_reason = result.finish_reason
-                stats.ttft_s = result.ttft_s
+                if result.ttft_s is not None:  # as the caller sees it: restore and templating included
+                    stats.ttft_s = generation_started - started + result.ttft_s
                 stats.decode_tokens_per_s = result.decode_tokens_per_s
                 self._persist(state, stats)
                 stats.total_s = time.perf_counter() - started

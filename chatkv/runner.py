@@ -88,6 +88,14 @@ class ModelRunner:
             max_query_len=max(query_lens),
             backend=self.backend,
         )
+        # Where a sequence's blocks are consecutive in the pool (the common case for a
+        # session allocated in one go), backends may read them as one slice.
+        runs = []
+        for item in batch:
+            table = item.seq.block_table
+            runs.append(table[0] if table and table[-1] - table[0] == len(table) - 1
+                        and all(b - a == 1 for a, b in zip(table, table[1:])) else -1)
+        meta.extras["contiguous_start"] = runs
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
         return meta, input_ids, position_ids

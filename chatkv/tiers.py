@@ -68,6 +68,8 @@ class TierConfig:
         disk_budget_bytes: chunk bytes allowed on disk (enforced by :func:`gc_store`).
         maintenance_interval_s: run policies in a background thread this often
             (None: only under pressure, or when :meth:`TierManager.maintain` is called).
+        store_gc_interval_s: with the background thread, also run :func:`gc_store`
+            (KV TTL, disk budget, orphan files) on the default store this often.
         fidelity_floors: minimum teacher-forced top-1 agreement per scheme.
     """
 
@@ -80,6 +82,7 @@ class TierConfig:
     kv_ttl_s: float | None = None
     disk_budget_bytes: int | None = None
     maintenance_interval_s: float | None = None
+    store_gc_interval_s: float | None = None
     fidelity_floors: dict[str, float] = field(
         default_factory=lambda: {"int8": 0.99, "fp8": 0.98, "int4": 0.90}
     )
@@ -258,6 +261,7 @@ class TierManager:
         self._lock = threading.Lock()  # serialises demotion passes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_store_gc = time.monotonic()
         if self.config.maintenance_interval_s:
             self.start()
 
@@ -487,9 +491,17 @@ class TierManager:
                     self.demote(victim, target)
 
     def maintain(self, now: float | None = None) -> None:
-        """One maintenance pass: idle policies, then budgets."""
+        """One maintenance pass: idle policies, then budgets; and, when
+        ``store_gc_interval_s`` has passed, :func:`gc_store` on the default store
+        (sessions open in this engine are skipped: their policies run here)."""
         self.apply_idle_policies(now)
         self.enforce_budgets()
+        interval = self.config.store_gc_interval_s
+        if interval is not None and time.monotonic() - self._last_store_gc >= interval:
+            from chatkv.persistence import default_store
+
+            self._last_store_gc = time.monotonic()
+            gc_store(default_store(), self.config, skip=[s.session_id for s in self._states()])
 
     def start(self) -> None:
         """Run :meth:`maintain` every ``maintenance_interval_s`` in a daemon thread."""

@@ -159,3 +159,14 @@ def test_model_through_the_triton_backend_matches_stock(arch):
         logits = runner.forward([StepInput(seq, ids[lo:hi])])[0]
         torch.testing.assert_close(logits, full[hi - 1], atol=1e-4, rtol=1e-4)
     pool.release(seq)
+
+
+def test_consecutive_blocks_read_as_a_view_give_the_same_attention():
+    torch.manual_seed(3)
+    k_cache = torch.randn(32, 4, 2, 8)
+    v_cache = torch.randn(32, 4, 2, 8)
+    table = torch.tensor([[5, 6, 7, 8, 9]], dtype=torch.int32)
+    q = torch.randn(3, 4, 8)
+    gathered = paged_attention_reference(q, k_cache, v_cache, table, [18], [3], 8 ** -0.5)
+    viewed = paged_attention_reference(q, k_cache, v_cache, table, [18], [3], 8 ** -0.5, contiguous_start=[5])
+    torch.testing.assert_close(viewed, gathered, atol=0, rtol=0)

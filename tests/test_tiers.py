@@ -245,3 +245,24 @@ def test_cuda_offload_uses_pinned_memory_and_round_trips():
         else:
             assert (a - b).abs().max() < 0.05 * a.abs().max() and not back.exact
         engine.pool.release(back)
+
+
+def test_maintenance_runs_store_gc_and_skips_open_sessions():
+    engine = engine_with()
+    closed = chat(engine, "closed-one", system="sys")
+    closed.send("hello")
+    closed.close()
+    open_chat = chat(engine, "still-open", system="sys")
+    open_chat.send("hello")
+    tiers = tier_manager(engine, TierConfig(kv_ttl_s=3600, store_gc_interval_s=0))
+    store = default_store()
+    tiers.maintain()
+    assert store.get_session("closed-one").n_cached > 0  # not idle long enough
+    tiers = tier_manager(engine, TierConfig(kv_ttl_s=0, store_gc_interval_s=0))
+    tiers._last_store_gc = 0.0
+    tiers.maintain(now=open_chat._state.last_used + 1)
+    assert store.get_session("closed-one").n_cached == 0  # expired by the store gc
+    assert len(store.messages("closed-one")) == 3  # history stays
+    assert open_chat._state.tier == "expired"  # the open one by the in-process policy instead
+    open_chat.send("back")
+    assert len(open_chat.messages) == 5

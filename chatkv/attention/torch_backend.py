@@ -32,11 +32,18 @@ def causal_window_mask(
 
 
 def gather_sequence_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, contiguous_start: int = -1
 ) -> torch.Tensor:
-    """Return the first ``seq_len`` rows of a sequence's blocks as ``[seq_len, kv_heads, head_dim]``."""
+    """Return the first ``seq_len`` rows of a sequence's blocks as ``[seq_len, kv_heads, head_dim]``.
+
+    With ``contiguous_start >= 0`` the blocks are known to be consecutive from
+    that block on, and the result is a view (no copy).
+    """
     block_size = cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
+    if contiguous_start >= 0:
+        blocks = cache[contiguous_start : contiguous_start + n_blocks]
+        return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
     blocks = cache.index_select(0, block_table[:n_blocks].long())
     return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
 
@@ -50,6 +57,7 @@ def paged_attention_reference(
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    contiguous_start: list[int] | None = None,
 ) -> torch.Tensor:
     """Paged attention for a packed batch, one sequence at a time, via SDPA.
 
@@ -61,6 +69,8 @@ def paged_attention_reference(
         query_lens: new tokens of each sequence; they sum to ``T``.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: see :meth:`AttentionBackend.forward`.
+        contiguous_start: per sequence, the first block when its blocks are
+            consecutive in the pool (read as a view), else -1.
 
     Returns:
         ``[T, q_heads, head_dim]``.
@@ -73,8 +83,9 @@ def paged_attention_reference(
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        k = gather_sequence_kv(k_cache, block_tables[i], kv_len).transpose(0, 1).unsqueeze(0)
-        v = gather_sequence_kv(v_cache, block_tables[i], kv_len).transpose(0, 1).unsqueeze(0)
+        run = contiguous_start[i] if contiguous_start is not None else -1
+        k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
+        v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
         mask = causal_window_mask(q_len, kv_len, sliding_window, query.device)
         o = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
@@ -102,5 +113,5 @@ class TorchBackend(AttentionBackend):
         """See :meth:`AttentionBackend.forward`."""
         return paged_attention_reference(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens_list,
-            meta.query_lens_list, scale, sliding_window,
+            meta.query_lens_list, scale, sliding_window, meta.extras.get("contiguous_start"),
         )
