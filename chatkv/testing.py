@@ -75,7 +75,7 @@ def tiny_config(arch: str, vocab_size: int, eos_token_id: int) -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=1024,
+        max_position_embeddings=8192,
         eos_token_id=eos_token_id,
         bos_token_id=eos_token_id,
         pad_token_id=eos_token_id,

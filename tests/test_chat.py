@@ -116,7 +116,7 @@ def test_bad_messages_leave_the_session_usable():
     for bad in ["", "   ", None]:
         with pytest.raises(InvalidMessageError):
             chat.send(bad)
-    too_long = "word " * 2000  # the tiny model's window is 1024 tokens
+    too_long = "word " * engine.max_context  # at least one token per word: past the window
     with pytest.raises(ContextWindowExceededError, match="context"):
         chat.send(too_long)
     assert chat.messages == before
