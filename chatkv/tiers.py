@@ -174,16 +174,25 @@ class OffloadedKV:
 
 def offload(pool: "BlockPool", seq: "Sequence", scheme: str, lock: threading.RLock) -> OffloadedKV:
     """Copy ``seq``'s computed KV out of the pool (quantizing its full blocks with
-    ``scheme``); the sequence and its blocks are left untouched."""
+    ``scheme``); the sequence and its blocks are left untouched.
+
+    The caller must keep ``seq`` idle (hold its session's ``busy`` lock). The
+    engine lock is taken for one block's copy at a time, so turns of other
+    sessions are never held up for longer than that.
+    """
     bs = pool.block_size
-    n = seq.num_computed
-    full = (n // bs) * bs
-    L = pool.kv.shape[0]
     with lock:
         ids = list(seq.computed_ids)
-        dense = pool.read_tokens(seq, 0, full) if full else None
-        tail = pool.read_tokens(seq, full, n - full) if n > full else pool.kv.new_empty((L, 2, 0, *pool.kv.shape[4:]))
         exact = seq.exact
+    n = len(ids)
+    full = (n // bs) * bs
+    L = pool.kv.shape[0]
+    pieces = []
+    for start in range(0, n, bs):
+        with lock:
+            pieces.append(pool.read_tokens(seq, start, min(bs, n - start)))
+    dense = torch.cat(pieces[: full // bs], dim=2) if full else None
+    tail = pieces[-1] if n > full else pool.kv.new_empty((L, 2, 0, *pool.kv.shape[4:]))
     k = v = None
     if dense is not None:
         h, d = dense.shape[-2:]
