@@ -123,9 +123,14 @@ class BlockPool:
         """Blocks that can be handed out now (free, or cached and evictable)."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_used(self) -> int:
+        """Blocks owned by at least one sequence (every block is owned, cached or free)."""
+        return self.num_blocks - len(self._free) - len(self._cached)
+
     def stats(self) -> PoolStats:
         """Current occupancy and counters."""
-        used = sum(1 for r in self.ref_counts if r > 0)
+        used = self.num_used
         return PoolStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,

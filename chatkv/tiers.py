@@ -294,7 +294,7 @@ class TierManager:
 
     def device_bytes(self) -> int:
         """KV bytes on the device now: pool blocks in use plus quantized tensors."""
-        used = self.pool.stats().used_blocks * self.pool.bytes_per_block
+        used = self.pool.num_used * self.pool.bytes_per_block
         return used + sum(s.offloaded.nbytes for s in self._states() if s.tier == "quantized" and s.offloaded)
 
     def host_bytes(self) -> int:
