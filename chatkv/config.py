@@ -24,7 +24,12 @@ def _from_dict(cls: type[T], values: dict[str, Any]) -> T:
 
 
 def chatkv_home() -> Path:
-    """The directory chatkv keeps its state in: ``$CHATKV_HOME``, else the user data dir."""
+    """The directory chatkv keeps its state in: ``$CHATKV_HOME``, else the user data dir.
+
+    The same rule as :func:`chatkv.storage.default_home`, restated here so that
+    loading a model never imports the index (SQLAlchemy), e.g. on a GPU host
+    that only runs the kernels.
+    """
     env = os.environ.get("CHATKV_HOME")
     if env:
         return Path(env).expanduser()

@@ -11,7 +11,6 @@ tier manager measures each scheme once per model.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,8 @@ from chatkv.config import chatkv_home
 from chatkv.errors import OutOfBlocksError
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence
+from chatkv.storage import StorageWriteError
+from chatkv.storage.chunkfile import atomic_write
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
@@ -158,11 +159,8 @@ def record(fingerprint: str, result: FidelityResult) -> None:
             return
         known[result.scheme] = asdict(result)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, path)
-        except OSError:
+            atomic_write(path, json.dumps(data, indent=1).encode())
+        except StorageWriteError:
             pass  # an unwritable home only costs measuring again next time
 
 

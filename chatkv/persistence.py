@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 
 from chatkv.errors import OutOfBlocksError
 from chatkv.models import KV_FORMAT_VERSION

@@ -10,12 +10,13 @@ the model again.
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import click
+
+from chatkv.storage.chunkfile import atomic_write
 
 from .errors import CliError, ExitCode
 from .output import human_bytes, note, print_json, print_table
@@ -40,11 +41,8 @@ def read_registry() -> dict[str, dict[str, Any]]:
 
 
 def _write_registry(entries: dict[str, dict[str, Any]]) -> None:
-    path = _registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"models": sorted(entries.values(), key=lambda m: m["name"])}, indent=1))
-    os.replace(tmp, path)
+    doc = {"models": sorted(entries.values(), key=lambda m: m["name"])}
+    atomic_write(_registry_path(), json.dumps(doc, indent=1).encode())
 
 
 def file_stamp(path: Path) -> str:
