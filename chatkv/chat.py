@@ -369,7 +369,7 @@ class Chat:
         result = GenerationResult()
         user = Message("user", text)
         try:
-            ids = self._template(state.messages + [user])
+            ids = engine.encode_chat([m.as_dict() for m in state.messages + [user]])
             if len(ids) >= engine.max_context:
                 raise ContextWindowExceededError(
                     f"the conversation plus this message is {len(ids)} tokens; the model's context "
@@ -400,12 +400,6 @@ class Chat:
             state.last_used = time.monotonic()
             state.busy.release()
         self.tiers.enforce_budgets()
-
-    def _template(self, messages: list[Message]) -> list[int]:
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template([m.as_dict() for m in messages], tokenize=False,
-                                       add_generation_prompt=True)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def _align(self, seq: Sequence, ids: list[int], stats: TurnStats) -> None:
         """Point ``seq`` at ``ids``: keep the cached KV of their longest common

@@ -121,6 +121,14 @@ class Engine:
         """The longest sequence the model accepts."""
         return self.loaded.max_context
 
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template: the ids a
+        session's KV must cover (the template is rendered, then tokenized without
+        extra special tokens)."""
+        tok = self.tokenizer
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
     def prefill(self, seq: Sequence) -> tuple[torch.Tensor, int]:
         """Compute KV for every token of ``seq`` past ``num_computed``, in chunks of
         at most ``config.max_prefill_tokens``, in the caller's thread (outside the

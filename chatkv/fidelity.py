@@ -68,12 +68,6 @@ class FidelityResult:
     tokens: int
 
 
-def _template(engine: "Engine", messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    tok = engine.tokenizer
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
 def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | None = None,
             max_forced: int = 512) -> FidelityResult:
     """Compare next-token predictions over the last assistant turn of
@@ -94,8 +88,8 @@ def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | 
     # exchanges (keeping a system prompt) until they do.
     budget = min(engine.max_context - 1, (pool.num_available // 2 - 1) * pool.block_size)
     while True:
-        prefix = _template(engine, messages[:-1], True)
-        full = _template(engine, messages, False)
+        prefix = engine.encode_chat(messages[:-1], True)
+        full = engine.encode_chat(messages, False)
         forced = full[len(prefix):][:max_forced]
         first = 1 if messages[0]["role"] == "system" else 0
         if len(prefix) + len(forced) <= budget or len(messages) - first <= 2:
