@@ -101,23 +101,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     assert err <= TOL[dtype], f"max abs error {err} > {TOL[dtype]}"
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-(token, head) quantization: ``x ~= data * scale``."""
-    amax = x.float().abs().amax(-1).clamp_min(1e-6)  # [NB, BS, Hkv]
-    if dtype == torch.int8:
-        scale = amax / 127.0
-        data = (x.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
-    else:
-        scale = amax / 448.0
-        data = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
-    assert data.shape == x.shape and scale.shape == x.shape[:3]
-    return data, scale.float().contiguous()
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return data.float() * scale[..., None]
-
-
 # --------------------------------------------------------------------------- decode
 
 
@@ -223,55 +206,21 @@ def test_half_precision(dtype: torch.dtype) -> None:
     assert_close(out, reference(query, k, v, meta), dtype)
 
 
-# --------------------------------------------------------------------------- quantized
+# --------------------------------------------------------------------------- cache dtype
 
 
-@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_quantized_decode(qdtype: torch.dtype, num_splits: int) -> None:
-    query, k, v, meta = make_case([5, 26, 12], [1, 1, 1], block_size=4, group=2)
-    kq, ks = quantize(k, qdtype)
-    vq, vs = quantize(v, qdtype)
-    out = paged_decode(
-        query, kq, vq, meta.block_tables, meta.seq_lens, 16**-0.5,
-        k_scale=ks, v_scale=vs, num_splits=num_splits,
-    )
-    # Same answer as expanding the cache first, then attending in full precision.
-    expanded = reference(query, dequantize(kq, ks), dequantize(vq, vs), meta)
-    assert_close(out, expanded, torch.float32)
-    # And near the unquantized answer (the quantization error itself).
-    assert (out - reference(query, k, v, meta)).abs().max().item() < 0.25
-
-
-@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
-def test_quantized_prefill(qdtype: torch.dtype) -> None:
-    query, k, v, meta = make_case([14, 9], [6, 9], block_size=4, group=2)
-    kq, ks = quantize(k, qdtype)
-    vq, vs = quantize(v, qdtype)
-    out = paged_prefill(
-        query, kq, vq, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-        meta.max_query_len, 16**-0.5, k_scale=ks, v_scale=vs,
-    )
-    assert_close(out, reference(query, dequantize(kq, ks), dequantize(vq, vs), meta), torch.float32)
-
-
-def test_quantized_half_query() -> None:
-    query, k, v, meta = make_case([11, 30], [1, 1], block_size=8, group=4, dtype=torch.float16)
-    kq, ks = quantize(k, torch.int8)
-    vq, vs = quantize(v, torch.int8)
-    out = paged_decode(
-        query, kq, vq, meta.block_tables, meta.seq_lens, 16**-0.5, k_scale=ks, v_scale=vs,
-        num_splits=2,
-    )
-    ref = reference(query, dequantize(kq, ks), dequantize(vq, vs), meta)
-    assert_close(out, ref, torch.float16)
-
-
-def test_quantized_needs_scales() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_rejects_quantized_cache(cache_dtype: torch.dtype) -> None:
+    # The pool is always full precision (quantized tiers dequantize on reload).
     query, k, v, meta = make_case([5], [1])
-    kq, _ = quantize(k, torch.int8)
-    with pytest.raises(AssertionError, match="k_scale"):
-        paged_decode(query, kq, kq, meta.block_tables, meta.seq_lens, 1.0)
+    kq, vq = k.to(cache_dtype), v.to(cache_dtype)
+    with pytest.raises(AssertionError, match="cache dtype"):
+        paged_decode(query, kq, vq, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(AssertionError, match="cache dtype"):
+        paged_prefill(
+            query, kq, vq, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            meta.max_query_len, 1.0,
+        )
 
 
 # --------------------------------------------------------------------------- backend
@@ -288,11 +237,6 @@ def test_backend_dispatch() -> None:
     assert not meta.is_decode_only
     out = backend.forward(query, k, v, meta, 16**-0.5, sliding_window=5)
     assert_close(out, reference(query, k, v, meta, sliding_window=5), torch.float32)
-
-    kq, ks = quantize(k, torch.int8)
-    vq, vs = quantize(v, torch.int8)
-    out = backend.forward_quantized(query, kq, vq, ks, vs, meta, 16**-0.5)
-    assert_close(out, reference(query, dequantize(kq, ks), dequantize(vq, vs), meta), torch.float32)
 
 
 @pytest.mark.parametrize("window", [None, 7])
@@ -354,19 +298,3 @@ def test_cuda_prefill_llama_shape(block_size: int) -> None:
         meta.max_query_len, 128**-0.5, sliding_window=256,
     )
     assert_close(out, reference(query, k, v, meta, sliding_window=256), torch.bfloat16)
-
-
-@cuda
-@requires_cuda
-@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
-def test_cuda_quantized_decode(qdtype: torch.dtype) -> None:
-    query, k, v, meta = make_case(
-        [33, 2048], [1, 1], block_size=16, kv_heads=8, group=4, head_dim=128,
-        dtype=torch.bfloat16,
-    )
-    kq, ks = quantize(k, qdtype)
-    vq, vs = quantize(v, qdtype)
-    out = paged_decode(
-        query, kq, vq, meta.block_tables, meta.seq_lens, 128**-0.5, k_scale=ks, v_scale=vs,
-    )
-    assert_close(out, reference(query, dequantize(kq, ks), dequantize(vq, vs), meta), torch.bfloat16)

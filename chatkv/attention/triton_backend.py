@@ -54,27 +54,10 @@ class TritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; the cache must be full precision here."""
-        return self.forward_quantized(
-            query, k_cache, v_cache, None, None, meta, scale, sliding_window
-        )
+        """See :meth:`AttentionBackend.forward`.
 
-    def forward_quantized(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        """:meth:`forward` over a cache that may be int8 or ``float8_e4m3fn``.
-
-        ``k_scale``/``v_scale`` are ``[num_blocks, block_size, kv_heads]`` float32
-        (``x ~= data * scale``), or None for a full-precision cache. Values are
-        dequantized in registers; no expanded copy is made.
+        The cache must be full precision (float32, float16 or bfloat16), as the
+        engine's pool always is.
 
         Returns:
             ``[T, q_heads, head_dim]`` in the query's dtype.
@@ -85,11 +68,10 @@ class TritonBackend(AttentionBackend):
             assert total == meta.num_seqs, (total, meta.num_seqs)
             return kernels.paged_decode(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+                sliding_window=sliding_window,
                 max_seq_len=max(meta.seq_lens_list, default=0), num_splits=self.num_splits,
             )
         return kernels.paged_prefill(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            meta.max_query_len, scale,
-            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+            meta.max_query_len, scale, sliding_window=sliding_window,
         )

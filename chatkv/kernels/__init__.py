@@ -1,8 +1,8 @@
 """Fused GPU kernels (Triton). Importable without Triton: check ``HAS_TRITON``."""
 
 from chatkv.kernels.paged_attention import (
+    CACHE_DTYPES,
     HAS_TRITON,
-    QUANTIZED_DTYPES,
     choose_num_splits,
     interpreting,
     paged_decode,
@@ -10,8 +10,8 @@ from chatkv.kernels.paged_attention import (
 )
 
 __all__ = [
+    "CACHE_DTYPES",
     "HAS_TRITON",
-    "QUANTIZED_DTYPES",
     "choose_num_splits",
     "interpreting",
     "paged_decode",

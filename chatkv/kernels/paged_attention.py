@@ -14,10 +14,9 @@ block tables; nothing is gathered into a contiguous copy first.
   KV head); its rows are ``BLOCK_M`` tokens x the head group, so again K/V is
   read once per KV head.
 
-Both accept int8 or fp8 (``float8_e4m3fn``) caches with per-(token, head)
-float32 scales (``x ~= data * scale``) and dequantize in registers: the scale
-of a key multiplies its score, the scale of a value multiplies its
-probability, so the dot products run on the raw codes.
+Both read full-precision caches only (float32, float16 or bfloat16): chatkv's
+quantized tiers dequantize a session into the pool when it is reloaded, so the
+pool never holds quantized blocks.
 
 Triton is optional: without it this module still imports, ``HAS_TRITON`` is
 False and the launchers raise.
@@ -49,8 +48,8 @@ except ImportError:  # the module must import on machines without Triton
     tl = _JitStandIn()  # type: ignore[assignment]
 
 
-QUANTIZED_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.float8_e4m3fn)
-"""Cache dtypes the kernels dequantize in registers (they need ``k_scale``/``v_scale``)."""
+CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""Cache dtypes the kernels read."""
 
 _LOG2E = 1.4426950408889634
 
@@ -65,7 +64,7 @@ def interpreting() -> bool:
 
 @triton.jit
 def _qk_dot(q, k, UPCAST: tl.constexpr):
-    # q [R, D] (query dtype), k [N, D] raw cache codes -> scores [R, N] float32.
+    # q [R, D] (query dtype), k [N, D] (cache dtype) -> scores [R, N] float32.
     if UPCAST:
         return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -74,7 +73,7 @@ def _qk_dot(q, k, UPCAST: tl.constexpr):
 
 @triton.jit
 def _pv_dot(p, v, q, UPCAST: tl.constexpr):
-    # p [R, N] float32 probabilities, v [N, D] raw cache codes -> [R, D] float32;
+    # p [R, N] float32 probabilities, v [N, D] (cache dtype) -> [R, D] float32;
     # the operands take the query's dtype.
     if UPCAST:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -84,14 +83,12 @@ def _pv_dot(p, v, q, UPCAST: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2, window, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh,
     stride_table,
     stride_ot, stride_oh,
     stride_ps, stride_ph, stride_pk,
@@ -99,7 +96,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, QUANTIZED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -143,12 +140,6 @@ def _decode_split_kernel(
             mask=kv_mask, other=0.0,
         )
         scores = _qk_dot(q, k, UPCAST) * sm_scale_log2
-        if QUANTIZED:
-            k_scale = tl.load(
-                ks_ptr + block * stride_ksb + slot * stride_kst + kv_head * stride_ksh,
-                mask=valid, other=0.0,
-            )
-            scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -160,12 +151,6 @@ def _decode_split_kernel(
             + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )
-        if QUANTIZED:
-            v_scale = tl.load(
-                vs_ptr + block * stride_vsb + slot * stride_vst + kv_head * stride_vsh,
-                mask=valid, other=0.0,
-            )
-            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + _pv_dot(p, v, q, UPCAST)
         m_i = m_new
 
@@ -221,19 +206,17 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
     sm_scale_log2, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh,
     stride_table,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANTIZED: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -282,12 +265,6 @@ def _prefill_kernel(
             mask=kv_mask, other=0.0,
         )
         scores = _qk_dot(q, k, UPCAST) * sm_scale_log2
-        if QUANTIZED:
-            k_scale = tl.load(
-                ks_ptr + block * stride_ksb + slot * stride_kst + kv_head * stride_ksh,
-                mask=valid, other=0.0,
-            )
-            scores = scores * k_scale[None, :]
         visible = valid[None, :] & (tokens[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (tokens[None, :] > q_pos[:, None] - window)
@@ -302,12 +279,6 @@ def _prefill_kernel(
             + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )
-        if QUANTIZED:
-            v_scale = tl.load(
-                vs_ptr + block * stride_vsb + slot * stride_vst + kv_head * stride_vsh,
-                mask=valid, other=0.0,
-            )
-            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + _pv_dot(p, v, q, UPCAST)
         m_i = m_new
 
@@ -357,41 +328,23 @@ def _check_cache(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> tuple[int, int, int, bool]:
-    """Validate shapes; return (group, page_size, head_dim, quantized)."""
+) -> tuple[int, int, int]:
+    """Validate shapes and dtypes; return (group, page_size, head_dim)."""
     _, q_heads, head_dim = query.shape
-    num_blocks, page_size, kv_heads, kv_dim = k_cache.shape
+    _, page_size, kv_heads, kv_dim = k_cache.shape
     assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
     assert kv_dim == head_dim and q_heads % kv_heads == 0, (query.shape, k_cache.shape)
     assert page_size & (page_size - 1) == 0, f"block size must be a power of two, got {page_size}"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
-    quantized = k_cache.dtype in QUANTIZED_DTYPES
     assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    if quantized:
-        assert k_scale is not None and v_scale is not None, f"{k_cache.dtype} cache needs k_scale and v_scale"
-        assert k_scale.shape == (num_blocks, page_size, kv_heads) == v_scale.shape, (
-            k_scale.shape, v_scale.shape, k_cache.shape)
-        assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
-    else:
-        assert k_scale is None and v_scale is None, "scales given for an unquantized cache"
-    return q_heads // kv_heads, page_size, head_dim, quantized
+    assert k_cache.dtype in CACHE_DTYPES, f"cache dtype must be one of {CACHE_DTYPES}, got {k_cache.dtype}"
+    return q_heads // kv_heads, page_size, head_dim
 
 
 def _upcast(query: torch.Tensor) -> bool:
     # fp32 queries use IEEE fp32 dots (not tf32). The interpreter's tl.dot multiplies
     # bf16 bit patterns (triton-lang/triton#11584), so it gets fp32 operands there too.
     return query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and interpreting())
-
-
-def _scale_args(
-    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    if k_scale is None or v_scale is None:
-        # Never read (QUANTIZED is False); any tensor on the device will do.
-        return k_cache, k_cache, (0, 0, 0), (0, 0, 0)
-    return k_scale, v_scale, tuple(k_scale.stride()), tuple(v_scale.stride())
 
 
 def paged_decode(
@@ -403,8 +356,6 @@ def paged_decode(
     scale: float,
     *,
     sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -417,13 +368,11 @@ def paged_decode(
             position ``seq_lens[i] - 1``.
         k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, the
             last dimension contiguous, block size a power of two; float16,
-            bfloat16 or float32, or int8 / ``float8_e4m3fn`` with scales.
+            bfloat16 or float32 (both the same dtype).
         block_tables: ``[S, max_blocks]`` int32.
         seq_lens: ``[S]`` int32, context length including the new token (>= 1).
         scale: softmax scale.
         sliding_window: a query at ``p`` sees keys at positions ``> p - sliding_window``.
-        k_scale, v_scale: ``[num_blocks, block_size, kv_heads]`` float32 when the
-            cache is quantized (``x ~= data * scale``); None otherwise.
         max_seq_len: ``max(seq_lens)`` as a Python int, to choose the split
             count without a device sync; read from ``seq_lens`` when omitted.
         num_splits: parts each context is cut into (>= 1); chosen from the
@@ -437,7 +386,7 @@ def paged_decode(
     """
     _require_triton()
     num_seqs, q_heads, head_dim = query.shape
-    group, page_size, _, quantized = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
+    group, page_size, _ = _check_cache(query, k_cache, v_cache)
     kv_heads = k_cache.shape[2]
     assert block_tables.shape[0] == num_seqs and seq_lens.shape == (num_seqs,), (
         block_tables.shape, seq_lens.shape, query.shape)
@@ -467,16 +416,14 @@ def paged_decode(
         assert part_out.shape[:3] == part_lse.shape
     else:
         part_out = part_lse = out  # unused
-    ks, vs, ks_strides, vs_strides = _scale_args(k_cache, k_scale, v_scale)
 
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        query, k_cache, v_cache, ks, vs, block_tables, seq_lens,
+        query, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse,
         scale * _LOG2E, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *ks_strides, *vs_strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         part_out.stride(0) if split else 0, part_out.stride(1) if split else 0,
@@ -485,7 +432,7 @@ def paged_decode(
         GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_N=block_n,
-        SPLIT=split, QUANTIZED=quantized, USE_WINDOW=sliding_window is not None,
+        SPLIT=split, USE_WINDOW=sliding_window is not None,
         UPCAST=_upcast(query),
         num_warps=4, num_stages=2,
     )
@@ -513,8 +460,6 @@ def paged_prefill(
     scale: float,
     *,
     sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
@@ -529,8 +474,8 @@ def paged_prefill(
 
     Args:
         query: ``[T, q_heads, head_dim]``.
-        k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale,
-            sliding_window: as for :func:`paged_decode`.
+        k_cache, v_cache, block_tables, seq_lens, scale, sliding_window: as
+            for :func:`paged_decode`.
         cu_seqlens_q: ``[S + 1]`` int32 prefix sums of the chunk lengths.
         max_query_len: the longest chunk, a Python int (sizes the launch grid).
         block_m: query tokens per program (power of two); by default chosen so
@@ -543,7 +488,7 @@ def paged_prefill(
     """
     _require_triton()
     total, q_heads, head_dim = query.shape
-    group, page_size, _, quantized = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
+    group, page_size, _ = _check_cache(query, k_cache, v_cache)
     kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     assert cu_seqlens_q.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs, (
@@ -566,21 +511,19 @@ def paged_prefill(
         block_m = 16 // block_g  # tl.dot needs at least 16 rows
     if block_n is None:
         block_n = 16 if interpreting() else 64
-    ks, vs, ks_strides, vs_strides = _scale_args(k_cache, k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, kv_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, ks, vs, block_tables, seq_lens, cu_seqlens_q, out,
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
         scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *ks_strides, *vs_strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g,
         HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        QUANTIZED=quantized, USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None,
         UPCAST=_upcast(query),
         num_warps=4, num_stages=2,
     )
