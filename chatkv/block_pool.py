@@ -16,17 +16,22 @@ serve the wrong KV.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType, Sequence as Seq
+from typing import NewType, Sequence as Seq
 
 import numpy as np
 import torch
 
 from chatkv.errors import OutOfBlocksError
+from chatkv.sequence import Sequence
 
-if TYPE_CHECKING:
-    from chatkv.sequence import Sequence
+#: When set (``CHATKV_CHECK_OWNER=1``, as the test suite does), a pool bound to an
+#: engine's loop (see :meth:`BlockPool.bind_owner`) asserts on every access that it
+#: runs on that loop's thread.
+CHECK_OWNER = os.environ.get("CHATKV_CHECK_OWNER", "") == "1"
 
 #: Chained content hash of one full block: sha256(parent hash, namespace, token ids).
 BlockHash = NewType("BlockHash", bytes)
@@ -65,10 +70,30 @@ class PoolStats:
         return self.free_blocks + self.cached_blocks
 
 
+@dataclass(frozen=True)
+class Alignment:
+    """What :meth:`BlockPool.align` kept of a sequence's KV.
+
+    Attributes:
+        cached: tokens whose KV the sequence held before.
+        kept: tokens whose KV is reused (from the sequence itself or, for an
+            empty one, from blocks other sequences share).
+        prefix_cache: of ``kept``, tokens found in the shared prefix cache.
+        discarded: cached tokens that no longer matched and were released.
+    """
+
+    cached: int
+    kept: int
+    prefix_cache: int
+    discarded: int
+
+
 class BlockPool:
     """Owns the KV tensor and the bookkeeping of its blocks.
 
-    Not thread-safe by itself: the engine serialises access.
+    Not thread-safe: one thread owns it. An engine's pool is owned by the
+    engine's loop (:mod:`chatkv.scheduler`); with :data:`CHECK_OWNER` on, every
+    access from another thread fails an assertion.
     """
 
     def __init__(
@@ -104,6 +129,18 @@ class BlockPool:
         self.prefix_hits = 0
         self.prefix_misses = 0
         self.evictions = 0
+        self._is_owner: Callable[[], bool] | None = None
+
+    def bind_owner(self, is_owner: Callable[[], bool]) -> None:
+        """Declare who owns the pool: ``is_owner()`` is true on the owning thread only.
+
+        With :data:`CHECK_OWNER` on, every later access checks it.
+        """
+        self._is_owner = is_owner
+
+    def _check(self) -> None:
+        if CHECK_OWNER and self._is_owner is not None and not self._is_owner():
+            raise AssertionError("the block pool was accessed outside the engine's loop thread")
 
     # -- sizes ---------------------------------------------------------------------
 
@@ -121,15 +158,18 @@ class BlockPool:
     @property
     def num_available(self) -> int:
         """Blocks that can be handed out now (free, or cached and evictable)."""
+        self._check()
         return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
         """Blocks owned by at least one sequence (every block is owned, cached or free)."""
+        self._check()
         return self.num_blocks - len(self._free) - len(self._cached)
 
     def stats(self) -> PoolStats:
         """Current occupancy and counters."""
+        self._check()
         used = self.num_used
         return PoolStats(
             num_blocks=self.num_blocks,
@@ -186,11 +226,12 @@ class BlockPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's K and V of block ``src`` into block ``dst``."""
+        self._check()
         self.kv[:, :, dst].copy_(self.kv[:, :, src])
 
     # -- sequences ------------------------------------------------------------------
 
-    def match_prefix(self, seq: "Sequence", token_ids: Seq[int]) -> int:
+    def match_prefix(self, seq: Sequence, token_ids: Seq[int]) -> int:
         """Attach cached full blocks that hold a prefix of ``token_ids`` to an empty ``seq``.
 
         At most ``len(token_ids) - 1`` tokens are matched, so the last token is
@@ -198,6 +239,7 @@ class BlockPool:
         reference. Returns the number of tokens now covered; ``seq.token_ids``
         and ``seq.num_computed`` are set to them.
         """
+        self._check()
         assert not seq.block_table and seq.num_computed == 0, "match_prefix needs an empty sequence"
         bs = self.block_size
         parent: BlockHash | None = None
@@ -219,9 +261,78 @@ class BlockPool:
         seq.num_computed = matched
         return matched
 
-    def blocks_needed(self, seq: "Sequence", num_new: int) -> int:
+    def prefix_plan(self, token_ids: Seq[int]) -> tuple[int, int]:
+        """What :meth:`match_prefix` would attach for ``token_ids``, without taking anything.
+
+        Returns:
+            ``(tokens matched, how many of the matched blocks are cached ones)``:
+            reviving a cached block takes it out of :attr:`num_available`.
+        """
+        self._check()
+        bs = self.block_size
+        parent: BlockHash | None = None
+        matched = revived = 0
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, self.namespace)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != chunk:
+                break
+            revived += self.ref_counts[block] == 0
+            parent = h
+            matched += bs
+        return matched, revived
+
+    def align(self, seq: Sequence, token_ids: Seq[int]) -> Alignment:
+        """Point ``seq`` at ``token_ids``: keep the KV of their longest common prefix
+        (at most all but the last token, whose logits start generation), release
+        the rest, and leave the remainder uncomputed. An emptied sequence first
+        attaches whatever prefix the shared prefix cache holds.
+        """
+        self._check()
+        ids = list(token_ids)
+        cached = seq.num_computed
+        common = 0
+        limit = min(len(seq.token_ids), len(ids))
+        while common < limit and seq.token_ids[common] == ids[common]:
+            common += 1
+        keep = min(common, cached, max(len(ids) - 1, 0))
+        if keep < cached:
+            self.truncate(seq, keep)
+        prefix_cache = 0
+        if seq.num_computed == 0 and not seq.block_table:
+            keep = prefix_cache = self.match_prefix(seq, ids)
+        seq.token_ids = ids
+        discarded = cached - min(keep, cached) if prefix_cache == 0 else 0
+        return Alignment(cached=cached, kept=keep, prefix_cache=prefix_cache, discarded=discarded)
+
+    def release_tail_first(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` last block first, keeping ``seq.token_ids``.
+
+        Cached blocks are evicted least recently released first, so releasing the
+        tail first means the blocks a later prefix match needs first (the head)
+        are the last to be evicted.
+        """
+        self._check()
+        ids = list(seq.token_ids)
+        bs = self.block_size
+        for k in range(len(seq.block_table) - 1, -1, -1):
+            self.truncate(seq, min(k * bs, seq.num_computed))
+        seq.token_ids = ids
+
+    def revive_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks that still hold a prefix of an emptied ``seq``'s
+        tokens (at most all but the last token); returns how many tokens they cover."""
+        ids = list(seq.token_ids)
+        seq.token_ids = []
+        matched = self.match_prefix(seq, ids)
+        seq.token_ids = ids
+        return matched
+
+    def blocks_needed(self, seq: Sequence, num_new: int) -> int:
         """How many blocks writing ``num_new`` more tokens into ``seq`` would take
         (new blocks plus a copy-on-write of a shared partial last block)."""
+        self._check()
         bs = self.block_size
         total = seq.num_computed + num_new
         need = max(0, -(-total // bs) - len(seq.block_table))
@@ -229,7 +340,7 @@ class BlockPool:
             need += 1
         return need
 
-    def prepare_write(self, seq: "Sequence", num_new: int) -> list[int]:
+    def prepare_write(self, seq: Sequence, num_new: int) -> list[int]:
         """Make room for ``num_new`` tokens after ``seq.num_computed`` and return their slots.
 
         All-or-nothing: if the pool cannot supply the blocks (after evicting
@@ -239,6 +350,7 @@ class BlockPool:
         Returns:
             Flat slot indices (``block * block_size + offset``), one per new token.
         """
+        self._check()
         need = self.blocks_needed(seq, num_new)
         if need > self.num_available:
             raise OutOfBlocksError(
@@ -259,10 +371,11 @@ class BlockPool:
             seq.block_table.append(self._allocate())
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
 
-    def commit(self, seq: "Sequence", num_new: int) -> None:
+    def commit(self, seq: Sequence, num_new: int) -> None:
         """Record that ``num_new`` tokens after ``seq.num_computed`` now have KV in
         their slots; blocks this fills get their content hash and, if ``seq`` is
         exact, become shareable."""
+        self._check()
         bs = self.block_size
         seq.num_computed += num_new
         assert seq.num_computed <= len(seq.token_ids)
@@ -277,7 +390,7 @@ class BlockPool:
                 self.block_hash[block] = h
                 self.block_tokens[block] = chunk
 
-    def write_tokens(self, seq: "Sequence", token_ids: Seq[int], kv: torch.Tensor, exact: bool = True) -> None:
+    def write_tokens(self, seq: Sequence, token_ids: Seq[int], kv: torch.Tensor, exact: bool = True) -> None:
         """Append tokens whose K/V are already known (restored from a lower tier).
 
         ``kv`` is ``[num_layers, 2, len(token_ids), kv_heads, head_dim]``; it is
@@ -286,6 +399,7 @@ class BlockPool:
         ``exact=False`` (KV from a lossy tier) marks ``seq`` inexact, so these
         blocks are never shared by hash.
         """
+        self._check()
         n = len(token_ids)
         L, two, nb, bs, h, d = self.kv.shape
         assert kv.shape == (L, two, n, h, d), f"restored KV {tuple(kv.shape)} does not fit the pool {(L, two, n, h, d)}"
@@ -303,9 +417,10 @@ class BlockPool:
             seq.exact = False
         self.commit(seq, n)
 
-    def read_tokens(self, seq: "Sequence", start: int, count: int) -> torch.Tensor:
+    def read_tokens(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,
         as ``[num_layers, 2, count, kv_heads, head_dim]`` on the pool's device."""
+        self._check()
         assert 0 <= start and start + count <= seq.num_computed, (start, count, seq.num_computed)
         L, two, nb, bs, h, d = self.kv.shape
         first, last = start // bs, (start + count - 1) // bs
@@ -314,10 +429,11 @@ class BlockPool:
         off = start - first * bs
         return gathered[:, :, off : off + count].contiguous()
 
-    def truncate(self, seq: "Sequence", num_tokens: int) -> None:
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` computed tokens of ``seq``, releasing
         the blocks past them. A block left partially valid stays shared or cached
         for others; the next write copies it."""
+        self._check()
         assert 0 <= num_tokens <= seq.num_computed
         bs = self.block_size
         keep_blocks = -(-num_tokens // bs)
@@ -330,8 +446,9 @@ class BlockPool:
         if num_tokens == 0:
             seq.exact = True
 
-    def release(self, seq: "Sequence") -> None:
+    def release(self, seq: Sequence) -> None:
         """Return every block of ``seq`` to the pool (cached if hashed) and empty it."""
+        self._check()
         for block in seq.block_table:
             self._decref(block)
         seq.block_table.clear()
@@ -340,10 +457,9 @@ class BlockPool:
         seq.num_computed = 0
         seq.exact = True
 
-    def fork(self, seq: "Sequence") -> "Sequence":
+    def fork(self, seq: Sequence) -> Sequence:
         """A new sequence sharing all of ``seq``'s blocks by reference (copy on write)."""
-        from chatkv.sequence import Sequence
-
+        self._check()
         for block in seq.block_table:
             self._incref(block)
         return Sequence(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from chatkv.block_pool import BlockHash
+if TYPE_CHECKING:
+    from chatkv.block_pool import BlockHash
 
 
 @dataclass
@@ -20,7 +22,7 @@ class Sequence:
 
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)
+    block_hashes: "list[BlockHash]" = field(default_factory=list)
     num_computed: int = 0
     exact: bool = True
 
