@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Chat": "chatkv.chat",
-    "TurnStats": "chatkv.chat",
+    "TurnStats": "chatkv.stats",
     "Message": "chatkv.chat",
     "validate_session_id": "chatkv.chat",
     "Engine": "chatkv.engine",
@@ -24,18 +24,23 @@ _LAZY = {
     "EngineConfig": "chatkv.config",
     "SamplingParams": "chatkv.config",
     "LoadedModel": "chatkv.models",
-    "TierConfig": "chatkv.tiers",
+    "TierConfig": "chatkv.config",
+    "Tier": "chatkv.tiers",
+    "RestoreInfo": "chatkv.stats",
     "load_model": "chatkv.models",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:
-    from chatkv.chat import Chat, Message, TurnStats, validate_session_id
+    from chatkv.chat import Chat, Message, validate_session_id
+    from chatkv.stats import TurnStats
     from chatkv.config import EngineConfig, SamplingParams
     from chatkv.engine import Engine, get_engine
     from chatkv.models import LoadedModel, load_model
-    from chatkv.tiers import TierConfig
+    from chatkv.config import TierConfig
+    from chatkv.stats import RestoreInfo
+    from chatkv.tiers import Tier
 
 
 def __getattr__(name: str) -> Any:

@@ -11,11 +11,14 @@ rather than block, and is woken through :meth:`Pending.on_ready`.
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: True while :func:`next_nonblocking` runs a generator.
 NONBLOCKING: contextvars.ContextVar[bool] = contextvars.ContextVar("chatkv_nonblocking", default=False)
@@ -60,8 +63,8 @@ class Channel:
         for wake in wakers:
             try:
                 wake()
-            except Exception:  # e.g. the consumer's event loop is closed: nobody is listening
-                pass
+            except RuntimeError as exc:  # e.g. the consumer's event loop is closed: nobody is listening
+                log.debug("a channel waker failed (its event loop is gone): %s", exc)
 
     def get(self, timeout: float) -> Any:
         """The next item, waiting up to ``timeout`` seconds; :data:`EMPTY` if none came."""

@@ -68,6 +68,9 @@ class EngineConfig:
             every other turn in flight preempted, waits for blocks to free up
             (sessions closing, idle ones demoted) before it fails with
             :class:`~chatkv.errors.OutOfBlocksError`.
+        tiers: the memory-tier policy (budgets, idle times, quantization) of
+            the engine's sessions; None is :class:`TierConfig`'s defaults. It is
+            engine-wide; :meth:`chatkv.engine.Engine.configure_tiers` changes it.
     """
 
     block_size: int = 16
@@ -79,8 +82,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_waiting: int = 1024
     block_wait_s: float = 1.0
+    tiers: "TierConfig | None" = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.tiers, dict):
+            self.tiers = TierConfig.from_dict(self.tiers)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -105,6 +111,68 @@ class EngineConfig:
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from a mapping; unknown keys raise :class:`ConfigError` naming them."""
         return _from_dict(cls, values)
+
+
+@dataclass
+class TierConfig:
+    """Budgets and policies of an engine's memory tiers. Times are seconds of idleness.
+
+    Attributes:
+        device_budget_bytes: KV bytes allowed on the device (pool blocks in use
+            plus quantized tensors); None means the pool's capacity.
+        host_budget_bytes: KV bytes allowed in host RAM.
+        quant_scheme: ``none``, ``int8``, ``fp8`` or ``int4``: how idle sessions
+            are compressed in the quantized and host tiers.
+        quantize_after_s / offload_after_s / spill_after_s: idle time after which
+            a session moves to the quantized / host / disk tier (None: never by time).
+        kv_ttl_s: idle time after which stored KV expires (history stays).
+        disk_budget_bytes: chunk bytes allowed on disk (enforced by the store gc).
+        maintenance_interval_s: run the policies in a background thread this often
+            (None: only under pressure, or when maintenance is asked for).
+        store_gc_interval_s: with the background thread, also enforce the disk
+            policy (KV TTL, disk budget, orphan files) on the stores the engine's
+            sessions use, this often.
+        fidelity_floors: minimum teacher-forced top-1 agreement per scheme.
+    """
+
+    device_budget_bytes: int | None = None
+    host_budget_bytes: int = 1 << 30
+    quant_scheme: str = "none"
+    quantize_after_s: float | None = None
+    offload_after_s: float | None = None
+    spill_after_s: float | None = None
+    kv_ttl_s: float | None = None
+    disk_budget_bytes: int | None = None
+    maintenance_interval_s: float | None = None
+    store_gc_interval_s: float | None = None
+    fidelity_floors: dict[str, float] = field(
+        default_factory=lambda: {"int8": 0.99, "fp8": 0.98, "int4": 0.90}
+    )
+
+    def __post_init__(self) -> None:
+        from chatkv.quant import check_scheme
+
+        try:
+            check_scheme(self.quant_scheme)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name in ("device_budget_bytes", "host_budget_bytes", "disk_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.maintenance_interval_s is not None and self.maintenance_interval_s <= 0:
+            raise ConfigError(f"maintenance_interval_s must be positive, got {self.maintenance_interval_s}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TierConfig":
+        """Build from a mapping; unknown keys raise :class:`ConfigError` naming them."""
+        return _from_dict(cls, values)
+
+    def replace(self, **changes: Any) -> "TierConfig":
+        """A copy with ``changes`` applied (unknown keys raise :class:`ConfigError`)."""
+        merged = dataclasses.asdict(self)
+        merged.update(changes)
+        return _from_dict(TierConfig, merged)
 
 
 @dataclass

@@ -1,50 +1,37 @@
-"""The engine: one loaded model, its block pool and runner, and generation.
+"""The engine: one loaded model, its block pool, runner, tier policy and loop.
 
 ``Engine.generate`` hands a sequence to the engine's scheduler
-(:mod:`chatkv.scheduler`), which prefills its uncomputed tokens in chunks on
-top of its cached blocks and then decodes it, batched with every other turn in
-flight, and streams its text pieces back. Every pool mutation and forward pass
-happens under the engine's lock, so other code (a session aligning its cache,
-persistence, the tier manager) can take it too.
+(:mod:`chatkv.scheduler`), whose loop prefills its uncomputed tokens in chunks
+on top of its cached blocks and then decodes it, batched with every other turn
+in flight, and streams its text pieces back. That loop is the only code that
+touches the pool or runs the model: everything else that needs either (a
+session aligning its cache, a restore, the tier policy, the fidelity
+calibration) asks it with :meth:`Engine.call`. Sessions are opened through
+:attr:`Engine.sessions` (:class:`chatkv.session.SessionManager`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
-from chatkv.config import EngineConfig, SamplingParams
-from chatkv.errors import ContextWindowExceededError
-from chatkv.models import LoadedModel, load_model
-from chatkv.runner import ModelRunner, StepInput
+from chatkv.block_pool import PoolStats
+from chatkv.config import EngineConfig, SamplingParams, TierConfig
+from chatkv.errors import ConfigError, ContextWindowExceededError
+from chatkv.models import LoadedModel, encode_chat, load_model
+from chatkv.runner import ModelRunner
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
+from chatkv.stats import TurnStats
+from chatkv.tiers import TierManager, TierStats
 
-
-@dataclass
-class GenerationResult:
-    """What one generation produced, filled in while it streams."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "eos", "stop", "length", "context", "interrupted"
-    prefilled_tokens: int = 0
-    ttft_s: float | None = None
-    decode_s: float = 0.0
-    preemptions: int = 0  # times the scheduler released its KV under memory pressure
-    recomputed_tokens: int = 0  # tokens computed again after preemptions
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens per second after the first one (None with fewer than two tokens)."""
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
+T = TypeVar("T")
 
 
 def _default_budget(device: torch.device) -> int:
@@ -74,18 +61,18 @@ class Engine:
 
     Attributes:
         loaded: the model, tokenizer and fingerprint.
-        pool: the block pool (one per engine).
-        lock: held for every pool mutation and forward pass.
-        sessions: in-process sessions by id (used by :class:`chatkv.Chat`).
-        scheduler: batches every turn in flight into shared forward passes.
-        reclaimer: None, or a callable the scheduler calls (from its thread,
-            without ``lock`` held) with a number of blocks it wants available
-            when a step is short of blocks, before it preempts a turn in flight.
-            The tier manager can bind it to demote idle sessions.
+        config: the engine's settings (pool, batching, tier policy).
+        pool: the block pool (one per engine), owned by the scheduler's loop.
+        runner: the one forward path over the pool (the loop calls it).
+        tiers: the memory-tier policy of the engine's sessions (loop-owned).
+        scheduler: the loop that batches every turn in flight and runs jobs.
+        sessions: the sessions open on this engine (:class:`chatkv.session.SessionManager`).
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         """Size and allocate the block pool for ``loaded`` and attach paged attention."""
+        from chatkv.session import SessionManager
+
         self.loaded = loaded
         self.config = config or EngineConfig()
         cfg = loaded.model.config
@@ -106,10 +93,9 @@ class Engine:
         self.backend = get_backend(self.config.attention_backend, device)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
         self.eos_ids = _eos_ids(loaded)
-        self.lock = threading.RLock()
-        self.sessions: dict[str, Any] = {}
-        self.reclaimer: Callable[[int], Any] | None = None
+        self.tiers = TierManager(self, self.config.tiers)
         self.scheduler = Scheduler(self)
+        self.sessions = SessionManager(self)
 
     @property
     def tokenizer(self) -> Any:
@@ -123,33 +109,69 @@ class Engine:
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` under the model's chat template: the ids a
-        session's KV must cover (the template is rendered, then tokenized without
-        extra special tokens)."""
-        tok = self.tokenizer
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        session's KV must cover (see :func:`chatkv.models.encode_chat`)."""
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
 
-    def prefill(self, seq: Sequence) -> tuple[torch.Tensor, int]:
-        """Compute KV for every token of ``seq`` past ``num_computed``, in chunks of
-        at most ``config.max_prefill_tokens``, in the caller's thread (outside the
-        scheduler; :meth:`generate` is what batches).
+    # -- the loop --------------------------------------------------------------------
 
-        Returns:
-            ``(logits of the last token [vocab], number of tokens prefilled)``.
+    def call(self, fn: Callable[[], T], name: str = "job") -> T:
+        """Run ``fn`` on the engine's loop, between two forward steps, and return
+        its result (re-raising its exception). The way any code outside the loop
+        reads or changes the pool, the tier policy or a session's KV."""
+        return self.scheduler.run(fn, name)
+
+    def pool_stats(self) -> PoolStats:
+        """The pool's occupancy and counters, read on the loop."""
+        return self.call(self.pool.stats, "pool stats")
+
+    def tier_stats(self) -> TierStats:
+        """Where the KV of this engine's sessions lives now, read on the loop."""
+        return self.call(self.tiers.stats, "tier stats")
+
+    def configure_tiers(self, config: TierConfig | dict[str, Any]) -> None:
+        """Put a new tier policy (budgets, idle times, quantization scheme) in force
+        for every session of this engine, and fit the budgets at once."""
+        if isinstance(config, dict):
+            config = TierConfig.from_dict(config)
+
+        def apply() -> None:
+            self.tiers.configure(config)
+            self.tiers.enforce_budgets()
+
+        self.call(apply, "configure tiers")
+        self.sessions.start_maintenance()
+
+    # -- turns -----------------------------------------------------------------------
+
+    def check_context(self, n_tokens: int, *, generate: bool = True, what: str = "the sequence") -> None:
+        """Raise :class:`ContextWindowExceededError` unless ``n_tokens`` fit the
+        model's window (with room for one generated token when ``generate``)."""
+        limit = self.max_context - 1 if generate else self.max_context
+        if n_tokens > limit:
+            extra = " Start a new session or reset this one." if generate else ""
+            raise ContextWindowExceededError(
+                f"{what} is {n_tokens} tokens; the model's context window is {self.max_context}.{extra}")
+
+    def prefill(self, seq: Sequence, stats: TurnStats | None = None) -> int:
+        """Compute the KV of every token of ``seq`` past ``num_computed`` (the last
+        one included) through the scheduler, batched with other turns; returns
+        how many tokens were computed. ``seq`` belongs to the loop meanwhile.
+
+        Raises:
+            ContextWindowExceededError: ``seq`` is longer than the model's window.
+            OutOfBlocksError, QueueFullError: as :meth:`generate`.
         """
+        stats = stats if stats is not None else TurnStats()
+        self.check_context(len(seq.token_ids), generate=False)
         todo = len(seq.token_ids) - seq.num_computed
-        assert todo > 0, "nothing to prefill: the last token must be uncomputed"
-        step = self.config.max_prefill_tokens
-        logits = None
-        while seq.num_computed < len(seq.token_ids):
-            start = seq.num_computed
-            chunk = seq.token_ids[start : start + step]
-            with self.lock:
-                logits = self.runner.forward([StepInput(seq, chunk)])[0]
-        assert logits is not None
-        return logits, todo
+        if todo <= 0:
+            return 0
+        request = self.scheduler.submit(seq, SamplingParams(), stats, prefill_only=True)
+        for _ in self.scheduler.stream(request):
+            pass
+        return todo
 
-    def generate(self, seq: Sequence, params: SamplingParams, result: GenerationResult | None = None
+    def generate(self, seq: Sequence, params: SamplingParams, stats: TurnStats | None = None
                  ) -> Iterator[str]:
         """Prefill ``seq``'s uncomputed tokens, then decode, yielding text pieces.
 
@@ -157,14 +179,13 @@ class Engine:
         other turn in flight; this generator yields the pieces it produces, in
         the caller's thread. Sampled tokens are appended to ``seq.token_ids``;
         the last one (EOS or the final token) is left uncomputed. ``seq`` belongs
-        to the scheduler until the generator ends: the caller must not touch it
-        meanwhile (``Chat`` allows one turn per session at a time). ``result``
-        (if given) is complete when the generator ends, including when the
-        consumer stops early (``close()``, garbage collection) or is interrupted
-        (``KeyboardInterrupt``): the turn is then cancelled at the next step and
-        ``finish_reason`` is ``"interrupted"``, with what was generated so far
-        kept: exactly the pieces the consumer took (tokens the engine ran ahead
-        with are dropped, their KV too).
+        to the loop until the generator ends: the caller must not touch it
+        meanwhile. ``stats`` (if given) is complete when the generator ends,
+        including when the consumer stops early (``close()``, garbage
+        collection) or is interrupted (``KeyboardInterrupt``): the turn is then
+        cancelled at the next step and ``finish_reason`` is ``"interrupted"``,
+        with exactly the pieces the consumer took kept (tokens the engine ran
+        ahead with are dropped, their KV too).
 
         Raises:
             ContextWindowExceededError: the prompt alone leaves no room to generate.
@@ -172,13 +193,9 @@ class Engine:
             OutOfBlocksError: the turn cannot fit in the pool even with every
                 other turn in flight preempted.
         """
-        result = result if result is not None else GenerationResult()
-        if len(seq.token_ids) >= self.max_context:
-            raise ContextWindowExceededError(
-                f"the conversation is {len(seq.token_ids)} tokens; the model's context window is "
-                f"{self.max_context}"
-            )
-        request = self.scheduler.submit(seq, params, result)
+        stats = stats if stats is not None else TurnStats()
+        self.check_context(len(seq.token_ids), what="the conversation")
+        request = self.scheduler.submit(seq, params, stats)
         yield from self.scheduler.stream(request)
 
 
@@ -201,3 +218,26 @@ def get_engine(model: str | LoadedModel | None = None, config: EngineConfig | No
             engine = Engine(loaded, config)
             _ENGINES[key] = engine
         return engine
+
+
+def engine_for(model: Any, engine: Engine | None, config: EngineConfig | None,
+                tiers: TierConfig | None, kv_quant: str | None) -> Engine:
+    """The engine a ``Chat`` runs on: ``engine``, or the shared one for ``model``
+    and ``config``. Tier policy given to a ``Chat`` (``tiers``, ``kv_quant``) is
+    engine-wide, so it selects an engine with that policy.
+
+    Raises:
+        ConfigError: the policy conflicts with an explicit ``engine``'s own.
+    """
+    if tiers is None and kv_quant is None:
+        return engine or get_engine(model, config)
+    base = engine.config if engine is not None else (config or EngineConfig())
+    wanted = tiers or base.tiers or TierConfig()
+    if kv_quant is not None:
+        wanted = wanted.replace(quant_scheme=kv_quant)
+    if engine is None:
+        return get_engine(model, dataclasses.replace(base, tiers=wanted))
+    if engine.tiers.config != wanted:
+        raise ConfigError("tier policy is engine-wide: set it with engine.configure_tiers(...) or "
+                          "EngineConfig(tiers=...), not per Chat on an existing engine")
+    return engine

@@ -49,3 +49,8 @@ class ChatKVWarning(UserWarning):
 class QueueFullError(ChatKVError, RuntimeError):
     """The engine already has ``EngineConfig.max_waiting`` turns waiting to start;
     this one was refused before it began (the session is unchanged). Retry later."""
+
+
+class EditError(ChatKVError, ValueError):
+    """A history edit that does not apply: no turn to rewind or regenerate, an
+    index that is not a user message."""

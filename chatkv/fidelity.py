@@ -11,6 +11,7 @@ tier manager measures each scheme once per model.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import torch
 
 from chatkv.config import chatkv_home
 from chatkv.errors import OutOfBlocksError
+from chatkv.offload import offload, reload
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence
 from chatkv.storage import StorageWriteError
@@ -56,6 +58,7 @@ CALIBRATION: list[dict[str, str]] = [
 ]
 
 _LOCK = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,14 +79,20 @@ def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | 
     The whole reply is teacher-forced in one forward pass per copy. Uses two
     temporary sequences in the engine's pool (released before return).
 
+    Runs on the engine's loop (between forward steps), through the same
+    runner entry as every turn.
+
     Raises:
         OutOfBlocksError: the pool cannot hold two copies of the conversation.
     """
-    from chatkv.tiers import offload, reload
+    return engine.call(lambda: _measure(engine, scheme, conversation, max_forced), f"fidelity {scheme}")
 
+
+def _measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | None,
+             max_forced: int) -> FidelityResult:
     messages = list(conversation or CALIBRATION)
     assert messages[-1]["role"] == "assistant", "the conversation must end with an assistant turn"
-    pool, lock = engine.pool, engine.lock
+    pool = engine.pool
     # Two copies must fit the pool, and one the context window: drop the oldest
     # exchanges (keeping a system prompt) until they do.
     budget = min(engine.max_context - 1, (pool.num_available // 2 - 1) * pool.block_size)
@@ -103,25 +112,21 @@ def measure(engine: "Engine", scheme: str, conversation: list[dict[str, str]] | 
     exact = Sequence(token_ids=list(prefix))
     lossy = Sequence()
     try:
-        with lock:
-            engine.runner.forward([StepInput(exact, list(prefix))])
-        off = offload(pool, exact, scheme, lock)
-        reload(pool, lossy, off, lock)
+        engine.runner.forward([StepInput(exact, list(prefix))])
+        reload(pool, lossy, offload(pool, exact, scheme))
         # Position i predicts forced[i + 1]; the prefix's last logits predict forced[0].
         exact.token_ids += forced
         lossy.token_ids += forced
-        with lock:
-            a = engine.runner.forward([StepInput(exact, forced)], all_logits=True)[:-1]
-            b = engine.runner.forward([StepInput(lossy, forced)], all_logits=True)[:-1]
+        a = engine.runner.forward([StepInput(exact, forced)], all_logits=True)[:-1]
+        b = engine.runner.forward([StepInput(lossy, forced)], all_logits=True)[:-1]
         agree = int((a.argmax(-1) == b.argmax(-1)).sum())
         la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
         kl = float((la.exp() * (la - lb)).sum(-1).sum())
         n = a.shape[0]
         return FidelityResult(scheme, agree / n, kl / n, n)
     finally:
-        with lock:
-            pool.release(exact)
-            pool.release(lossy)
+        pool.release(exact)
+        pool.release(lossy)
 
 
 def _cache_path() -> Any:
@@ -154,8 +159,8 @@ def record(fingerprint: str, result: FidelityResult) -> None:
         known[result.scheme] = asdict(result)
         try:
             atomic_write(path, json.dumps(data, indent=1).encode())
-        except StorageWriteError:
-            pass  # an unwritable home only costs measuring again next time
+        except StorageWriteError as exc:  # an unwritable home only costs measuring again next time
+            log.warning("could not record the fidelity measurement in %s: %s", path, exc)
 
 
 def passes_floor(engine: "Engine", scheme: str, floor: float) -> bool:

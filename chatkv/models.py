@@ -11,7 +11,7 @@ A model spec is one of:
   random model with a byte-level tokenizer, seeded so every process builds
   the same weights; for tests and examples.
 
-The fingerprint (DESIGN.md invariant 3) hashes the weights, the config, the
+The fingerprint (see docs/architecture.md, "Invariants") hashes the weights, the config, the
 dtype, the tokenizer, the chat template and chatkv's KV format version. A KV
 cache is only ever reused under an identical fingerprint.
 """
@@ -303,3 +303,12 @@ def load_model(
     loaded = _finish(model, tokenizer, name, str(directory), directory, device)
     loaded.extra["load_s"] = time.perf_counter() - start
     return loaded
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` under ``tokenizer``'s chat template: the template
+    is rendered to text, then tokenized without extra special tokens. This is
+    how a session's token ids are made, so benchmarks and references that use
+    it see exactly the ids a session's KV covers."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -7,18 +7,27 @@ head_dim]`` in the model's dtype, token-major so files do not depend on the
 pool's block size. Chunk hashes chain over the parent hash, the token ids, the
 model fingerprint and the KV format, so a system prompt shared by many sessions
 is one file, and a new turn writes only the chunks it completed plus its tail.
+
+The pool belongs to the engine's loop, so both directions are split: a save
+takes a :class:`Snapshot` of the new tokens' KV on the loop (a copy, quick)
+and writes files in the caller's thread; a restore reads chunk files in the
+caller's thread and hands each chunk's KV to the loop to write into blocks,
+reading the next chunk meanwhile.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
+from typing import TYPE_CHECKING, Any
 
 from chatkv.errors import OutOfBlocksError
 from chatkv.models import KV_FORMAT_VERSION
+from chatkv.stats import RestoreInfo
 from chatkv.storage import (
     ChunkInfo,
     ChunkMeta,
@@ -31,8 +40,13 @@ from chatkv.storage import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from chatkv.engine import Engine
     from chatkv.sequence import Sequence
+    from chatkv.tiers import TieredKV
+
+log = logging.getLogger(__name__)
 
 KV_TENSOR = "kv"
 DENSE_FORMAT = f"{KV_FORMAT_VERSION}:dense"
@@ -68,32 +82,21 @@ class SavedKV:
 
 
 @dataclass
-class RestoreInfo:
-    """How a session came back.
+class Snapshot:
+    """The KV a save writes, copied out of the pool on the loop.
 
-    Attributes:
-        source: ``"new"`` (no such session), ``"memory"`` (already resident in
-            this process), ``"disk"`` (KV loaded from chunk files; a prefix may
-            have come from blocks other sessions share), or ``"history"``
-            (messages restored but the KV was unusable or absent: the next turn
-            re-prefills).
-        turns: user turns in the restored history.
-        cached_tokens: tokens whose KV is resident after the restore.
-        seconds: wall time of the restore.
-        bytes_read: bytes of chunk files read.
-        warning: why the KV was (partly) not used, if it was not.
+    ``keep`` are the previous save's chunks still valid; ``pieces`` the new
+    chunks' ``(token count, KV tensor on the CPU)``.
     """
 
-    source: str
-    turns: int = 0
-    cached_tokens: int = 0
-    seconds: float = 0.0
-    bytes_read: int = 0
-    warning: str | None = None
+    token_ids: list[int]
+    exact: bool
+    keep: list[ChunkInfo]
+    pieces: list[tuple[int, "torch.Tensor"]]
 
 
 class KVPersister:
-    """Saves a sequence's KV as chunks and restores it into the engine's pool."""
+    """Saves a session's KV as chunks and restores it into the engine's pool."""
 
     def __init__(self, engine: "Engine", store: Store, chunk_tokens: int) -> None:
         """Persist ``engine``'s sequences into ``store`` in chunks of ``chunk_tokens``."""
@@ -114,99 +117,178 @@ class KVPersister:
             quant="none",
         )
 
-    def save(self, session_id: str, seq: "Sequence", previous: SavedKV) -> tuple[SavedKV, SaveResult]:
-        """Write the chunks of ``seq``'s computed tokens that ``previous`` does not
-        already hold, then point the session at the new chunk list (one commit).
+    # -- save --------------------------------------------------------------------------
 
-        Full chunks whose tokens are unchanged are reused by hash; new full
-        chunks and the partial tail are written. Files are durable before the
-        index names them. KV of an inexact sequence (one restored from a
-        quantized tier) is written under :data:`LOSSY_FORMAT`.
+    def snapshot(self, seq: "Sequence", previous: SavedKV) -> Snapshot:
+        """On the loop: copy the KV of ``seq``'s computed tokens that ``previous``
+        does not already hold (full chunks whose tokens are unchanged are kept by hash)."""
+        pool = self.engine.pool
+        C = self.chunk_tokens
+        ids = list(seq.computed_ids)
+        keep: list[ChunkInfo] = []
+        off = 0
+        for info in previous.chunks:
+            if info.n_tokens != C or ids[off : off + C] != previous.token_ids[off : off + C]:
+                break
+            keep.append(info)
+            off += C
+        pieces = []
+        while off < len(ids):
+            n = min(C, len(ids) - off)
+            pieces.append((n, pool.read_tokens(seq, off, n).to("cpu")))
+            off += n
+        return Snapshot(ids, seq.exact, keep, pieces)
+
+    def write(self, session_id: str, snap: Snapshot) -> tuple[SavedKV, SaveResult]:
+        """Write a snapshot's new chunks, then point the session at the new chunk
+        list (one commit). Files are durable before the index names them. KV of
+        an inexact sequence (restored from a quantized tier) is written under
+        :data:`LOSSY_FORMAT`.
 
         Raises:
             StorageWriteError: disk full, read-only home, index failure. The
                 previous state on disk is intact.
         """
-        pool = self.engine.pool
-        C = self.chunk_tokens
-        with self.engine.lock:
-            ids = list(seq.computed_ids)
-            exact = seq.exact
-            keep: list[ChunkInfo] = []
-            off = 0
-            for info in previous.chunks:
-                if info.n_tokens != C or ids[off : off + C] != previous.token_ids[off : off + C]:
-                    break
-                keep.append(info)
-                off += C
-            pieces = []
-            while off < len(ids):
-                n = min(C, len(ids) - off)
-                pieces.append((n, pool.read_tokens(seq, off, n)))
-                off += n
-        meta = self._meta(exact)
-        new = [NewChunk(n, {KV_TENSOR: kv.to("cpu")}, meta) for n, kv in pieces]
-        result = self.store.save_kv(session_id, token_ids=ids, fingerprint=self.fingerprint, chunks=[*keep, *new])
-        return SavedKV(ids, list(result.chunks)), result
+        meta = self._meta(snap.exact)
+        new = [NewChunk(n, {KV_TENSOR: kv}, meta) for n, kv in snap.pieces]
+        result = self.store.save_kv(session_id, token_ids=snap.token_ids, fingerprint=self.fingerprint,
+                                    chunks=[*snap.keep, *new])
+        return SavedKV(snap.token_ids, list(result.chunks)), result
 
-    def restore(self, session_id: str, seq: "Sequence", info: RestoreInfo) -> SavedKV:
-        """Load the session's KV into empty ``seq``: first whatever prefix the pool
-        already holds (shared blocks), then the remaining tokens chunk by chunk.
+    # -- restore -----------------------------------------------------------------------
 
-        Never raises for bad KV: a fingerprint mismatch invalidates the stored KV,
-        a corrupt or missing chunk is quarantined (by storage) and the valid
-        prefix before it is kept; ``info.warning`` says what happened. The next
-        turn re-prefills whatever is missing.
+    def restore(self, kv: "TieredKV", info: RestoreInfo, *, need_room: bool = False) -> SavedKV | None:
+        """The one restore path: load the session's stored KV into its empty
+        sequence, first whatever prefix the pool already holds (shared blocks),
+        then the rest chunk by chunk (read here, written by the loop while the
+        next chunk is read). The caller keeps ``kv`` pinned meanwhile.
+
+        With ``need_room``, a restore that would not fit the pool even after
+        demoting idle sessions is not started: None is returned and the KV stays
+        on disk (a turn restores it later). Otherwise never raises for bad KV: a
+        fingerprint mismatch invalidates the stored KV, a corrupt or missing
+        chunk is quarantined (by storage) and the valid prefix before it is
+        kept; ``info.warning`` says what happened. The next turn re-prefills
+        whatever is missing.
 
         Returns:
             What is on disk now (the basis of the next incremental save).
         """
-        store, engine = self.store, self.engine
-        session = store.get_session(session_id)
-        if session.n_cached == 0:
-            return SavedKV()
-        if session.fingerprint != self.fingerprint:
-            info.warning = (
-                f"session {session_id!r}: its KV cache was made by another model, dtype, tokenizer, "
-                "chat template or chatkv version; re-prefilling from history"
-            )
-            store.invalidate_kv(session_id)
-            return SavedKV()
-        cached_ids = store.cached_token_ids(session_id)
-        with engine.lock:
-            # Blocks other sessions hold for the same prefix are shared, not reloaded.
-            engine.pool.match_prefix(seq, cached_ids + [-1])
-        chunks: list[ChunkInfo] = []
-        off = 0
+        engine, store = self.engine, self.store
+        started = time.perf_counter()
+        session = store.get_session(kv.session_id)
+        saved = SavedKV()
         try:
-            for loaded in store.iter_kv(session_id, fingerprint=self.fingerprint):
+            if session.n_cached == 0:
+                engine.call(lambda: engine.tiers.restored(kv), "restored")
+                return saved
+            if session.fingerprint != self.fingerprint:
+                info.warning = (
+                    f"session {kv.session_id!r}: its KV cache was made by another model, dtype, tokenizer, "
+                    "chat template or chatkv version; re-prefilling from history"
+                )
+                kv.lost = "its stored KV was made by another model"
+                store.invalidate_kv(kv.session_id)
+                engine.call(lambda: engine.tiers.restored(kv), "restored")
+                return saved
+            cached_ids = store.cached_token_ids(kv.session_id)
+            if not engine.call(lambda: self._begin(kv, cached_ids, need_room), "begin restore"):
+                return None
+            saved = self._load(kv, cached_ids, info)
+            engine.call(lambda: engine.tiers.restored(kv), "restored")
+            return saved
+        finally:
+            info.seconds = time.perf_counter() - started
+            if info.warning:
+                log.warning("%s", info.warning)
+            else:
+                log.info("session %s: restored %d tokens (%d bytes read) in %.3f s", kv.session_id,
+                         kv.seq.num_computed, info.bytes_read, info.seconds)
+
+    def _begin(self, kv: "TieredKV", cached_ids: list[int], need_room: bool) -> bool:
+        """On the loop: attach the shared prefix and make room for the rest."""
+        pool = self.engine.pool
+        matched, _ = pool.prefix_plan(cached_ids + [-1])
+        need = -(-len(cached_ids) // pool.block_size) - matched // pool.block_size
+        if not self.engine.tiers.reclaim(need, exclude=kv) and need_room:
+            return False
+        # Blocks other sessions hold for the same prefix are shared, not reloaded.
+        pool.match_prefix(kv.seq, cached_ids + [-1])
+        kv.seq.token_ids = list(cached_ids[: kv.seq.num_computed])
+        return True
+
+    def _write(self, kv: "TieredKV", token_ids: list[int], tensor: Any, exact: bool) -> bool:
+        """On the loop: append restored tokens; False when the pool is full."""
+        try:
+            self.engine.pool.write_tokens(kv.seq, token_ids, tensor, exact=exact)
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def _load(self, kv: "TieredKV", cached_ids: list[int], info: RestoreInfo) -> SavedKV:
+        engine, store = self.engine, self.store
+        L, two, _, _, h, d = engine.pool.kv.shape
+        chunks: list[ChunkInfo] = []
+        pending: tuple[Future, ChunkInfo] | None = None
+        off = 0
+        start = kv.seq.num_computed  # tokens the shared prefix already covers
+        full = True
+
+        def settle() -> bool:
+            nonlocal pending
+            if pending is None:
+                return True
+            future, chunk = pending
+            pending = None
+            if future.result():
+                chunks.append(chunk)
+                return True
+            info.warning = f"session {kv.session_id!r}: the KV pool is full; loaded {kv.seq.num_computed} tokens"
+            return False
+
+        try:
+            for loaded in store.iter_kv(kv.session_id, fingerprint=self.fingerprint):
                 n = loaded.info.n_tokens
-                chunks.append(loaded.info)
                 info.bytes_read += loaded.info.bytes
-                kv = loaded.tensors.get(KV_TENSOR)
-                L, two, _, _, h, d = engine.pool.kv.shape
-                if kv is None or tuple(kv.shape) != (L, two, n, h, d):
-                    reason = f"tensor {KV_TENSOR!r} has shape {None if kv is None else tuple(kv.shape)}, " \
+                tensor = loaded.tensors.get(KV_TENSOR)
+                if tensor is None or tuple(tensor.shape) != (L, two, n, h, d):
+                    reason = f"tensor {KV_TENSOR!r} has shape {None if tensor is None else tuple(tensor.shape)}, " \
                              f"not {(L, two, n, h, d)}"
                     raise CorruptChunkError(loaded.info.hash, reason,
                                             store.quarantine_chunk(loaded.info.hash, reason))
-                skip = seq.num_computed - off
+                if not settle():
+                    full = False
+                    break
+                skip = max(0, start - off)
                 if skip < n:
-                    with engine.lock:
-                        engine.pool.write_tokens(seq, loaded.token_ids[skip:], kv[:, :, skip:],
-                                                 exact=loaded.info.kv_format == DENSE_FORMAT)
+                    ids, part = loaded.token_ids[skip:], tensor[:, :, skip:]
+                    exact = loaded.info.kv_format == DENSE_FORMAT
+                    pending = (engine.scheduler.submit_job(lambda i=ids, p=part, e=exact: self._write(kv, i, p, e),
+                                                           "restore chunk"), loaded.info)
+                else:
+                    chunks.append(loaded.info)
                 off += n
-        except OutOfBlocksError:
-            # No room for the rest: keep the prefix loaded so far (the turn re-prefills the rest).
-            chunks = chunks[:-1]
-            info.warning = f"session {session_id!r}: the KV pool is full; loaded {seq.num_computed} tokens"
+            if full and not settle():
+                full = False
         except CorruptChunkError as exc:
-            info.warning = f"session {session_id!r}: {exc}; re-prefilling from that point"
-            chunks = chunks[:-1] if chunks and chunks[-1].hash == exc.chunk_hash else chunks
-        else:
+            settle()
+            info.warning = f"session {kv.session_id!r}: {exc}; re-prefilling from that point"
+            kv.lost = f"chunk {exc.chunk_hash[:12]} was quarantined"
+            full = False
+        finally:
+            if pending is not None:
+                pending[0].result()
+                pending = None
+        info.cached_tokens = kv.seq.num_computed
+        if full:
             return SavedKV(cached_ids, chunks)
         good = sum(c.n_tokens for c in chunks)
-        with engine.lock:
-            if seq.num_computed > good:
-                engine.pool.truncate(seq, good)
+
+        def cut() -> None:
+            if kv.seq.num_computed > good:
+                engine.pool.truncate(kv.seq, good)
+            kv.seq.token_ids = kv.seq.token_ids[: kv.seq.num_computed]
+
+        engine.call(cut, "cut restore")
+        info.cached_tokens = kv.seq.num_computed
         return SavedKV(cached_ids[:good], chunks)

@@ -34,7 +34,8 @@ Schemes are looked up by name; the name is stored with every quantized tensor
     the engine: only full blocks are ever quantized, and a session's partial last
     block (up to ``block_size - 1`` of its newest tokens) stays at full precision.
 
-The int8 and fp8 layouts are shared with the Triton kernel helpers; keep them.
+Quantized copies are dequantized into the full-precision pool when a session
+comes back (:mod:`chatkv.offload`); the attention kernels read full precision only.
 """
 
 from __future__ import annotations

@@ -1,45 +1,59 @@
-"""The scheduler: continuous batching of every in-flight turn of one engine.
+"""The scheduler: the engine's loop, sole owner of its block pool and model.
 
-One background thread, the *step loop*, owns every in-flight request. Each step:
+One background thread, the *loop*, is the only code that changes the block
+pool, the tier manager's sessions or runs the model. Other threads ask it
+for work in two ways:
 
-1. drops cancelled requests (their consumer stopped iterating);
-2. plans the step: one decode token for every running request, then chunks of
-   unfinished prefills, then new or requeued requests admitted in arrival
-   order, all within a token budget (``EngineConfig.max_prefill_tokens``) and
-   the pool's free blocks;
-3. runs ONE packed ``runner.forward`` over the plan, under ``engine.lock``;
-4. samples each sequence that reached its end with its own sampler, detokenizes
-   and pushes the text pieces to the request's channel, which the consumer
-   drains from its own thread (:meth:`Engine.generate`) or event loop
-   (:mod:`chatkv.aio`).
+* **turns** (:meth:`Scheduler.submit`): a sequence to prefill and decode,
+  batched with every other turn in flight (continuous batching);
+* **jobs** (:meth:`Scheduler.run`, :meth:`Scheduler.submit_job`): a function
+  the loop runs between two forward steps, its result or exception handed
+  back through a :class:`concurrent.futures.Future`. Aligning a session to new
+  token ids, restoring chunks into blocks, offload and reload, release, fork,
+  snapshots for a save and the fidelity calibration are jobs.
 
-Memory pressure is met in this order: evictable cached blocks (the pool does
-that), then ``engine.reclaimer`` (a hook the tier manager may bind to demote
-idle sessions), then *preemption* of the lowest-priority in-flight request,
-the latest to arrive: its blocks go back to the pool, last block first, so
-its full blocks stay in the prefix cache and only the ones actually reused
-are lost; it is requeued, and on re-admission revives whatever is still
+Each loop iteration:
+
+1. takes new turns and jobs, and runs the jobs in arrival order;
+2. plans a step: one decode token for every running turn, then chunks of
+   unfinished prefills, then waiting turns admitted in arrival order, all
+   within a token budget (``EngineConfig.max_prefill_tokens``) and the pool's
+   free blocks;
+3. runs ONE packed forward over the plan;
+4. samples each sequence that reached its end, detokenizes and pushes the
+   text pieces to the turn's channel, which the consumer drains from its own
+   thread (:meth:`Engine.generate`) or event loop (:mod:`chatkv.aio`).
+
+Memory pressure is decided in one place, :meth:`Scheduler._make_room`, which
+sees every session: evictable cached blocks (the pool does that), then idle
+sessions demoted by the tier manager (least recently used first), then
+*preemption* of the lowest-priority turn in flight, the latest to arrive: its
+blocks go back to the pool, last block first, so its full blocks stay in the
+prefix cache; it is requeued, and on re-admission revives whatever is still
 cached and recomputes the rest. Its sampled tokens are kept, so greedy output
-does not change. A request that cannot fit even with every other in-flight
-request preempted waits ``EngineConfig.block_wait_s`` for blocks (a session
-closing, the tier manager demoting one) and then gets
-:class:`~chatkv.errors.OutOfBlocksError`; one that needs more blocks than the
-pool has gets it at once.
+does not change. A turn that cannot fit even with every other turn preempted
+waits ``EngineConfig.block_wait_s`` for blocks (a session closing) and then
+gets :class:`~chatkv.errors.OutOfBlocksError`; one that needs more blocks than
+the pool has gets it at once. Planning never takes blocks it might have to
+give back: a preempted turn's revivable prefix is measured first
+(:meth:`BlockPool.prefix_plan`).
 
-Output travels through :mod:`chatkv.channel`. Ownership: a request's sequence, result, sampler and streamer are touched only
-by the step loop from submission until its ``done`` event is set; the
-consumer reads them afterwards. Pool mutations happen under ``engine.lock``.
+Ownership: a turn's sequence, stats, sampler and streamer are touched only by
+the loop from submission until its ``done`` event is set; the consumer reads
+them afterwards.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -58,37 +72,43 @@ from chatkv.errors import OutOfBlocksError, QueueFullError
 from chatkv.runner import StepInput
 from chatkv.sampling import Sampler
 from chatkv.sequence import Sequence
+from chatkv.stats import TurnStats
 
-__all__ = ["Pending", "Request", "Scheduler", "SchedulerStats", "next_nonblocking"]
+__all__ = ["Job", "Pending", "Request", "Scheduler", "SchedulerStats", "next_nonblocking"]
 
 if TYPE_CHECKING:
-    from chatkv.block_pool import BlockPool
-    from chatkv.engine import Engine, GenerationResult
+    from chatkv.engine import Engine
 
-#: The step loop exits after this long with nothing to do (and restarts on the next turn),
-#: so an engine nobody uses holds no thread.
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: The loop exits after this long with nothing to do (and restarts on the next
+#: turn or job), so an engine nobody uses holds no thread.
 IDLE_EXIT_S = 2.0
-#: How long the loop sleeps when no request can make progress (all blocked on blocks).
+#: How long the loop sleeps when no turn can make progress (all blocked on blocks).
 _STALL_WAIT_S = 0.01
-#: How often a blocked consumer checks that the step loop is still alive.
+#: How often a blocked consumer checks that the loop is still alive.
 _POLL_S = 0.5
-#: The reclaimer is not called more often than this while pressure lasts.
-_RECLAIM_INTERVAL_S = 0.05
 
 # ------------------------------------------------------------------------------ requests
 
 
 @dataclass(eq=False)
 class Request:
-    """One turn in flight: a sequence to extend, how to sample, where the output goes."""
+    """One turn in flight: a sequence to extend, how to sample, where the output goes.
+
+    With ``prefill_only`` the turn computes every token's KV and ends with
+    ``finish_reason == "prefilled"`` without sampling.
+    """
 
     seq: Sequence
     params: SamplingParams
-    result: GenerationResult
+    stats: TurnStats
     sampler: Sampler
     streamer: TextStreamer
     arrival: int
     submitted: float
+    prefill_only: bool = False
     channel: Channel = field(default_factory=Channel)
     done: threading.Event = field(default_factory=threading.Event)
     admitted: bool = False  # admitted at least once (no longer counts against max_waiting)
@@ -105,6 +125,27 @@ class Request:
         return len(self.seq.token_ids) - self.seq.num_computed
 
 
+
+@dataclass(eq=False)
+class Job:
+    """A function the loop runs between forward steps; ``future`` gets its result."""
+
+    name: str
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+    def run(self) -> None:
+        """Run on the loop, handing the result or the exception to ``future``."""
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 @dataclass
 class SchedulerStats:
     """Counters of one engine's scheduler since it was made."""
@@ -119,6 +160,9 @@ class SchedulerStats:
     failed: int = 0
     preemptions: int = 0
     rejected: int = 0
+    jobs: int = 0
+    blocked_turns: int = 0  # turns that had to wait for blocks at least once
+    reclaims: int = 0  # times idle sessions were demoted to make room for a step
 
 
 @dataclass
@@ -126,7 +170,6 @@ class _StepPlan:
     """A step being planned: what runs, the blocks it reserves, the prefill tokens left."""
 
     budget: int
-    may_reclaim: bool
     now: float
     items: list[tuple[Request, int]] = field(default_factory=list)
     reserved: int = 0
@@ -138,52 +181,17 @@ class _StepPlan:
             self.budget -= n
 
 
-class _NeedBlocks(Exception):
-    """Raised by planning when blocks are short and the reclaimer may help."""
-
-    def __init__(self, wanted: int) -> None:
-        super().__init__(wanted)
-        self.wanted = wanted
-
-
-def pool_ok(engine: Engine, plan: list[tuple[Request, int]]) -> bool:
-    """Whether the pool can hold every write of ``plan`` (checked before each forward)."""
-    pool = engine.pool
-    return sum(pool.blocks_needed(r.seq, n) for r, n in plan) <= pool.num_available
-
-
-def release_tail_first(pool: BlockPool, seq: Sequence) -> None:
-    """Release every block of ``seq`` last block first, keeping ``seq.token_ids``.
-
-    The pool evicts cached blocks least recently released first, so releasing
-    the tail first means the blocks a later prefix match needs first (the head)
-    are the last to be evicted.
-    """
-    ids = list(seq.token_ids)
-    bs = pool.block_size
-    for k in range(len(seq.block_table) - 1, -1, -1):
-        pool.truncate(seq, min(k * bs, seq.num_computed))
-    seq.token_ids = ids
-
-
-def revive_prefix(pool: BlockPool, seq: Sequence) -> int:
-    """Attach the cached blocks that still hold a prefix of an emptied ``seq``'s
-    tokens (at most all but the last token); returns how many tokens they cover."""
-    ids = list(seq.token_ids)
-    matched = pool.match_prefix(seq, ids)
-    seq.token_ids = ids
-    return matched
-
-
 # ------------------------------------------------------------------------------ scheduler
 
 
 class Scheduler:
-    """Batches every in-flight turn of one engine into shared forward passes.
+    """The engine's loop: batches every turn in flight and runs jobs between steps.
 
-    Thread-safe: :meth:`submit`, :meth:`stream` and :meth:`cancel` may be called
-    from any thread. The step loop thread starts on the first submission and
-    exits after :data:`IDLE_EXIT_S` without work.
+    Thread-safe: :meth:`submit`, :meth:`stream`, :meth:`cancel`, :meth:`run`
+    and :meth:`submit_job` may be called from any thread. The loop thread
+    starts on the first submission and exits after :data:`IDLE_EXIT_S`
+    without work. The engine's pool is bound to it: with
+    ``CHATKV_CHECK_OWNER=1`` any pool access from another thread fails.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -192,20 +200,70 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._mu = threading.Lock()
         self._wake = threading.Condition(self._mu)
+        self._progress = threading.Condition(threading.Lock())
         self._incoming: list[Request] = []
-        self._cancels: list[Request] = []
+        self._jobs: list[Job] = []
         self._unadmitted = 0  # submitted, not yet admitted nor finished (bounded by max_waiting)
         self._thread: threading.Thread | None = None
         self._arrivals = itertools.count()
-        # Owned by the step loop thread:
+        # Owned by the loop thread:
         self._waiting: list[Request] = []  # sorted by arrival
         self._running: list[Request] = []  # sorted by arrival
-        self._last_reclaim = 0.0
+        engine.pool.bind_owner(self.on_loop)
+
+    def on_loop(self) -> bool:
+        """True when called from the loop thread."""
+        return threading.current_thread() is self._thread
+
+    def _ensure_thread(self) -> None:  # under self._mu
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="chatkv-loop", daemon=True)
+            self._thread.start()
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def submit_job(self, fn: Callable[[], T], name: str = "job") -> "Future[T]":
+        """Queue ``fn`` to run on the loop before its next step; returns its future."""
+        job = Job(name, fn)
+        with self._mu:
+            self._jobs.append(job)
+            self._ensure_thread()
+            self._wake.notify()
+        return job.future
+
+    def run(self, fn: Callable[[], T], name: str = "job") -> T:
+        """Run ``fn`` on the loop and return its result (re-raising its exception).
+        Called from the loop itself, ``fn`` runs at once."""
+        if self.on_loop():
+            return fn()
+        future = self.submit_job(fn, name)
+        while True:
+            try:
+                return future.result(_POLL_S)
+            except TimeoutError:
+                with self._mu:
+                    alive = self._thread is not None and self._thread.is_alive()
+                    queued = any(j.future is future for j in self._jobs)
+                if not alive and not queued and not future.done():
+                    raise RuntimeError(f"the chatkv loop stopped with job {name!r} pending") from None
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until ``predicate()`` (evaluated after each loop iteration) is true;
+        returns its last value (False if ``timeout`` passed first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._progress:
+            while not predicate():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._progress.wait(_POLL_S if left is None else min(left, _POLL_S))
+            return True
 
     # -- the consumer's side ------------------------------------------------------------
 
-    def submit(self, seq: Sequence, params: SamplingParams, result: GenerationResult) -> Request:
-        """Queue a turn that extends ``seq``; the step loop takes it from here.
+    def submit(self, seq: Sequence, params: SamplingParams, stats: TurnStats,
+               prefill_only: bool = False) -> Request:
+        """Queue a turn that extends ``seq``; the loop takes it from here.
 
         Raises:
             QueueFullError: ``max_waiting`` turns are already waiting to start.
@@ -222,27 +280,29 @@ class Scheduler:
                     f"{self._unadmitted} turns are already waiting to start (max_waiting={cap}); "
                     "retry later or raise EngineConfig.max_waiting"
                 )
-            req = Request(seq, params, result, Sampler(params), TextStreamer(engine.tokenizer, params.stop),
-                          arrival=next(self._arrivals), submitted=time.perf_counter())
-            result.finish_reason = "interrupted"  # until it ends otherwise
-            result.prefilled_tokens = len(seq.token_ids) - seq.num_computed
+            now = time.perf_counter()
+            req = Request(seq, params, stats, Sampler(params), TextStreamer(engine.tokenizer, params.stop),
+                          arrival=next(self._arrivals), submitted=now, prefill_only=prefill_only)
+            stats.finish_reason = "interrupted"  # until it ends otherwise
+            stats.prefilled_tokens = len(seq.token_ids) - seq.num_computed
+            if stats.started_at is None:
+                stats.started_at = now
             self._unadmitted += 1
             self.stats.submitted += 1
             self._incoming.append(req)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="chatkv-scheduler", daemon=True)
-                self._thread.start()
+            self._ensure_thread()
             self._wake.notify()
         return req
 
     def stream(self, req: Request) -> Iterator[Any]:
-        """Yield ``req``'s text pieces as the step loop produces them.
+        """Yield ``req``'s text pieces as the loop produces them.
 
         Returns when the generation ends; re-raises the exception it failed
         with. Closing the iterator early (or an exception in the consumer, such
-        as ``KeyboardInterrupt``) cancels the request and waits until the step
-        loop has let go of it. In non-blocking mode (:func:`next_nonblocking`)
-        a :class:`Pending` is yielded instead of waiting.
+        as ``KeyboardInterrupt``) cancels the request and waits until the loop
+        has let go of it, keeping exactly the pieces the consumer took. In
+        non-blocking mode (:func:`next_nonblocking`) a :class:`Pending` is
+        yielded instead of waiting.
         """
         finished = False
         announced = False
@@ -275,42 +335,21 @@ class Scheduler:
         finally:
             if not finished:
                 self.cancel(req)
-                self._trim_to_delivered(req)
 
     def cancel(self, req: Request) -> None:
-        """Stop ``req`` at the next step (its partial output is kept, ``finish_reason``
-        is ``"interrupted"``) and wait until the step loop has let go of it."""
-        if req.done.is_set():
-            return
-        with self._mu:
-            self._cancels.append(req)
-            self._wake.notify()
-        while not req.done.wait(_POLL_S):
-            self._check_alive(req)
+        """Stop ``req`` at the next step and wait until the loop has let go of it.
 
-    def _trim_to_delivered(self, req: Request) -> None:
-        """After a cancellation, keep only the part of the reply the consumer took:
-        the step loop may have run a few tokens ahead of it, and the history must
-        hold what the user saw. Their KV is truncated away too."""
-        result, seq = req.result, req.seq
-        extra = len(result.token_ids) - req.delivered_tokens
-        if extra <= 0:
-            return
-        keep = len(seq.token_ids) - extra
-        with self.engine.lock:
-            ids = seq.token_ids[:keep]
-            if seq.num_computed > keep:
-                self.engine.pool.truncate(seq, keep)
-            seq.token_ids = ids
-        del result.token_ids[req.delivered_tokens :]
-        result.text = req.delivered_text
-        result.finish_reason = "interrupted"
+        What the consumer has not taken yet is dropped, its KV too, so the
+        reply holds exactly what the user saw; ``finish_reason`` is
+        ``"interrupted"`` unless the turn had already ended with all of it taken.
+        """
+        self.run(lambda: self._drop(req), "cancel")
 
     def _check_alive(self, req: Request) -> None:
         with self._mu:
             alive = self._thread is not None and self._thread.is_alive()
         if not alive and not req.done.is_set():
-            raise RuntimeError("the chatkv scheduler thread stopped with a turn in flight")
+            raise RuntimeError("the chatkv loop thread stopped with a turn in flight")
 
     @property
     def num_waiting(self) -> int:
@@ -318,65 +357,54 @@ class Scheduler:
         with self._mu:
             return self._unadmitted
 
-    # -- the step loop ---------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._mu:
-                while not (self._incoming or self._cancels or self._waiting or self._running):
-                    if not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._cancels):
+                while not (self._incoming or self._jobs or self._waiting or self._running):
+                    if not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs):
                         self._thread = None
                         return
                 for req in self._incoming:
                     bisect.insort(self._waiting, req, key=lambda r: r.arrival)
                 self._incoming.clear()
-                cancels, self._cancels = self._cancels, []
-            try:
-                progressed = self._step(cancels)
-            except BaseException as exc:  # never leave a consumer waiting on a dead loop
-                for req in self._waiting + self._running:
-                    self._fail(req, exc)
-                progressed = True
+                jobs, self._jobs = self._jobs, []
+            for job in jobs:
+                self.stats.jobs += 1
+                job.run()
+            progressed = True
+            if self._waiting or self._running:
+                try:
+                    progressed = self._step()
+                except BaseException as exc:  # never leave a consumer waiting on a dead loop
+                    log.exception("the scheduler step failed; failing the turns in flight")
+                    for req in self._waiting + self._running:
+                        self._fail(req, exc)
+            with self._progress:
+                self._progress.notify_all()
             if not progressed:
                 with self._mu:
-                    if not (self._incoming or self._cancels):
+                    if not (self._incoming or self._jobs):
                         self._wake.wait(_STALL_WAIT_S)
 
-    def _step(self, cancels: list[Request]) -> bool:
+    def _step(self) -> bool:
         """One step; returns False if nothing could run (every request is blocked)."""
         engine = self.engine
-        plan: list[tuple[Request, int]] = []
-        may_reclaim = engine.reclaimer is not None
-        while True:
-            with engine.lock:
-                for req in cancels:
-                    self._drop(req)
-                cancels = []
-                try:
-                    plan = self._plan(may_reclaim)
-                except _NeedBlocks as need:
-                    wanted = need.wanted
-                else:
-                    if not plan:
-                        return False
-                    try:
-                        assert pool_ok(engine, plan), "the plan reserves more blocks than the pool has"
-                        batch = [StepInput(r.seq, r.seq.token_ids[r.seq.num_computed : r.seq.num_computed + n])
-                                 for r, n in plan]
-                        logits = engine.runner.forward(batch)
-                    except BaseException as exc:
-                        for req, _ in plan:
-                            self._fail(req, exc)
-                        return True
-                    break
-            # The reclaimer (the tier manager) takes its own locks, then engine.lock:
-            # call it without engine.lock to keep one lock order.
-            may_reclaim = False
-            self._last_reclaim = time.monotonic()
-            try:
-                engine.reclaimer(wanted)  # type: ignore[misc]
-            except Exception:
-                pass  # reclaiming is best effort; preemption follows
+        plan = self._plan()
+        if not plan:
+            return False
+        try:
+            assert sum(engine.pool.blocks_needed(r.seq, n) for r, n in plan) <= engine.pool.num_available, \
+                "the plan reserves more blocks than the pool has"
+            batch = [StepInput(r.seq, r.seq.token_ids[r.seq.num_computed : r.seq.num_computed + n])
+                     for r, n in plan]
+            logits = engine.runner.forward(batch)
+        except BaseException as exc:
+            log.exception("a forward step failed")
+            for req, _ in plan:
+                self._fail(req, exc)
+            return True
         stats = self.stats
         stats.steps += 1
         tokens = sum(n for _, n in plan)
@@ -386,18 +414,13 @@ class Scheduler:
         self._sample(plan, logits)
         return True
 
-    # -- planning (under engine.lock) ----------------------------------------------------------
+    # -- planning ------------------------------------------------------------------------
 
-    def _plan(self, may_reclaim: bool) -> list[tuple[Request, int]]:
-        """Choose this step's ``(request, token count)`` pairs, preempting under pressure.
-
-        Raises:
-            _NeedBlocks: blocks are short and the reclaimer may be called first.
-        """
+    def _plan(self) -> list[tuple[Request, int]]:
+        """Choose this step's ``(request, token count)`` pairs, making room under pressure."""
         cfg = self.engine.config
         step = _StepPlan(
             budget=max(0, cfg.max_prefill_tokens - sum(1 for r in self._running if r.todo == 1)),
-            may_reclaim=may_reclaim and time.monotonic() - self._last_reclaim >= _RECLAIM_INTERVAL_S,
             now=time.monotonic(),
         )
         self._plan_running(step)
@@ -406,6 +429,21 @@ class Scheduler:
 
     def _short(self, step: _StepPlan, need: int) -> bool:
         return need > self.engine.pool.num_available - step.reserved
+
+    def _make_room(self, step: _StepPlan, need: int, req: Request, preempt: bool) -> bool:
+        """The one place memory pressure is decided: demote idle sessions, then
+        (with ``preempt``) release turns that arrived after ``req``, until ``need``
+        more blocks fit this step. Returns whether they fit."""
+        if not self._short(step, need):
+            return True
+        self.stats.reclaims += 1
+        self.engine.tiers.reclaim(step.reserved + need)
+        while preempt and self._short(step, need):
+            victim = self._victim(req)
+            if victim is None:
+                break
+            self._preempt(victim)
+        return not self._short(step, need)
 
     def _plan_running(self, step: _StepPlan) -> None:
         """Every running request's next tokens: its decode token, or a prefill chunk
@@ -421,14 +459,7 @@ class Scheduler:
             if self._never_fits(req, n):
                 continue
             need = pool.blocks_needed(req.seq, n)
-            while self._short(step, need):
-                if step.may_reclaim:
-                    raise _NeedBlocks(step.reserved + need)
-                victim = self._victim(req)
-                if victim is None:
-                    break
-                self._preempt(victim)
-            if self._short(step, need):
+            if not self._make_room(step, need, req, preempt=True):
                 if self._others_hold_blocks(req):
                     self._preempt(req)  # a higher-priority request holds what it needs: wait behind it
                 else:
@@ -439,6 +470,18 @@ class Scheduler:
             step.add(req, n, need)
             i += 1
 
+    def _admission_need(self, req: Request, budget: int) -> tuple[int, int]:
+        """``(tokens to run, blocks needed)`` to admit ``req`` now, counting the
+        cached blocks a preempted request would revive, without taking any."""
+        pool, seq = self.engine.pool, req.seq
+        if not req.preempted:
+            n = min(req.todo, budget)
+            return n, pool.blocks_needed(seq, n)
+        matched, revived = pool.prefix_plan(seq.token_ids)
+        n = min(len(seq.token_ids) - matched, budget)
+        bs = pool.block_size
+        return n, revived + -(-(matched + n) // bs) - matched // bs
+
     def _plan_admissions(self, step: _StepPlan) -> None:
         """Start waiting requests in arrival order while the budget and the pool
         allow; these never preempt running ones."""
@@ -446,30 +489,20 @@ class Scheduler:
         waiting, running = self._waiting, self._running
         while waiting and step.budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
-            revived = req.preempted
-            if revived:
-                revive_prefix(pool, req.seq)  # takes blocks: undone below if it cannot start
-            n = min(req.todo, step.budget)
+            n, need = self._admission_need(req, step.budget)
             if self._never_fits(req, n):
                 continue
-            need = pool.blocks_needed(req.seq, n)
-            if self._short(step, need) and step.may_reclaim:
-                if revived:
-                    release_tail_first(pool, req.seq)
-                raise _NeedBlocks(step.reserved + need)
-            if self._short(step, need) and not running:
-                # Nothing runs, so nothing else will make room: release lower-priority waiting requests.
-                while self._short(step, need) and (victim := self._victim(req)) is not None:
-                    self._preempt(victim)
-            if self._short(step, need):
-                if revived:
-                    release_tail_first(pool, req.seq)
+            # Nothing runs, so nothing else will make room: lower-priority waiting requests may be released.
+            if not self._make_room(step, need, req, preempt=not running):
                 if not running and not self._others_hold_blocks(req):
                     self._blocked(req, step.now)
                 return
-            if revived:
+            if req.preempted:
+                pool.revive_prefix(req.seq)
                 req.preempted = False
-                req.result.recomputed_tokens += req.todo
+                req.stats.recomputed_tokens += req.todo
+                n = min(req.todo, step.budget)
+                need = pool.blocks_needed(req.seq, n)
             req.blocked_since = None
             waiting.pop(0)
             bisect.insort(running, req, key=lambda r: r.arrival)
@@ -503,10 +536,11 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s blocks to the pool (kept as prefix cache where hashed) and requeue it."""
-        release_tail_first(self.engine.pool, req.seq)
+        self.engine.pool.release_tail_first(req.seq)
         req.preempted = True
-        req.result.preemptions += 1
+        req.stats.preemptions += 1
         self.stats.preemptions += 1
+        log.debug("preempted a turn of %d tokens under memory pressure", len(req.seq.token_ids))
         if req in self._running:
             self._running.remove(req)
             bisect.insort(self._waiting, req, key=lambda r: r.arrival)
@@ -515,13 +549,14 @@ class Scheduler:
         """``req`` cannot fit even alone: wait ``block_wait_s`` for blocks, then fail it."""
         if req.blocked_since is None:
             req.blocked_since = now
+            self.stats.blocked_turns += 1
         elif now - req.blocked_since >= self.engine.config.block_wait_s:
             pool = self.engine.pool
             need = pool.blocks_needed(req.seq, min(req.todo, self.engine.config.max_prefill_tokens))
             self._fail(req, OutOfBlocksError(
                 f"this turn needs {need} more blocks of {pool.block_size} tokens but only "
                 f"{pool.num_available} of {pool.num_blocks} came free within {self.engine.config.block_wait_s:g} s "
-                "(idle sessions hold the rest); raise kv_budget_bytes or close idle sessions"))
+                "(busy sessions hold the rest); raise kv_budget_bytes or close idle sessions"))
 
     # -- finishing ------------------------------------------------------------------------
 
@@ -536,19 +571,33 @@ class Scheduler:
                 self._unadmitted -= 1
 
     def _settle(self, req: Request) -> None:
-        result = req.result
-        result.text = req.streamer.reply
+        stats = req.stats
+        stats.text = req.streamer.reply
         if req.decode_start is not None:
-            result.decode_s = time.perf_counter() - req.decode_start
+            stats.decode_s = time.perf_counter() - req.decode_start
         req.done.set()
 
     def _drop(self, req: Request) -> None:
-        """A cancelled request leaves at once; what it generated stays in its result."""
-        if req.done.is_set():
+        """Cancel ``req`` (on the loop): it leaves at once if still in flight, and
+        whatever the consumer did not take is cut from its reply and its KV."""
+        if not req.done.is_set():
+            self._remove(req)
+            with self._mu:
+                self._incoming = [r for r in self._incoming if r is not req]
+            self.stats.cancelled += 1
+            self._settle(req)
+        stats, seq = req.stats, req.seq
+        extra = len(stats.token_ids) - req.delivered_tokens
+        if extra <= 0 and stats.finish_reason != "interrupted":
             return
-        self._remove(req)
-        self.stats.cancelled += 1
-        self._settle(req)
+        if extra > 0:
+            keep = len(seq.token_ids) - extra
+            if seq.num_computed > keep:
+                self.engine.pool.truncate(seq, keep)
+            del seq.token_ids[keep:]
+            del stats.token_ids[req.delivered_tokens :]
+        stats.text = req.delivered_text
+        stats.finish_reason = "interrupted"
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if req.done.is_set():
@@ -561,43 +610,44 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         piece = req.streamer.flush()
         if piece:
-            req.result.text += piece
-            req.channel.put((piece, len(req.result.token_ids)))
-        req.result.finish_reason = reason
+            req.channel.put((piece, len(req.stats.token_ids)))
+        req.stats.finish_reason = reason
         self._remove(req)
         self.stats.finished += 1
         req.channel.put(END)
         self._settle(req)
 
-    # -- sampling (outside engine.lock: only the loop touches in-flight sequences) -------------------
+    # -- sampling -------------------------------------------------------------------------
 
     def _sample(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> None:
         rows = [(i, req) for i, (req, _) in enumerate(plan) if req.todo == 0]
-        greedy = [i for i, req in rows if req.params.temperature == 0.0]
+        greedy = [i for i, req in rows if req.params.temperature == 0.0 and not req.prefill_only]
         picked: dict[int, int] = {}
         if greedy:
             picked = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
         for i, req in rows:
+            if req.prefill_only:
+                self._finish(req, "prefilled")
+                continue
             token = picked[i] if i in picked else req.sampler(logits[i])
             self._emit(req, token)
 
     def _emit(self, req: Request, token: int) -> None:
-        engine, seq, result, params = self.engine, req.seq, req.result, req.params
+        engine, seq, stats, params = self.engine, req.seq, req.stats, req.params
         seq.token_ids.append(token)
-        result.token_ids.append(token)
-        if result.ttft_s is None:
+        stats.token_ids.append(token)
+        if stats.ttft_s is None:
             now = time.perf_counter()
-            result.ttft_s = now - req.submitted
+            stats.ttft_s = now - (stats.started_at if stats.started_at is not None else req.submitted)
             req.decode_start = now
         if token in engine.eos_ids and not params.ignore_eos:
             return self._finish(req, "eos")
         piece = req.streamer.push(token)
         if piece:
-            result.text += piece
-            req.channel.put((piece, len(result.token_ids)))
+            req.channel.put((piece, len(stats.token_ids)))
         if req.streamer.stopped:
             return self._finish(req, "stop")
-        if len(result.token_ids) >= params.max_new_tokens:
+        if len(stats.token_ids) >= params.max_new_tokens:
             return self._finish(req, "length")
         if len(seq.token_ids) >= engine.max_context:
             return self._finish(req, "context")
