@@ -6,8 +6,12 @@ import copy
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Every pool access must happen on its engine's loop thread (chatkv.scheduler):
+# with this set, the pool asserts it. Set before chatkv is imported.
+os.environ["CHATKV_CHECK_OWNER"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

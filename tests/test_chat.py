@@ -44,18 +44,18 @@ def test_three_turns_equal_stock_reprefill(arch):
         history = chat.messages + [{"role": "user", "content": text}]
         want = stock_greedy(reference, tok, history, 12, tok.eos_token_id)
         chat.send(text)
-        assert chat.last_generation.token_ids == want, f"turn {turn}"
+        assert chat.last_stats.token_ids == want, f"turn {turn}"
         stats = chat.last_stats
         assert stats.reused_tokens + stats.prefilled_tokens == stats.prompt_tokens
         if turn:
             assert stats.reused_tokens > 0
     chat.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_sessions_with_the_same_system_prompt_share_blocks_and_free_them():
     engine = make_engine(block_size=4)
-    start = engine.pool.num_available
+    start = engine.pool_stats().available_blocks
     system = "You are a terse assistant. " * 3
     a = Chat("alice", system=system, engine=engine, max_new_tokens=4)
     a.send("Hi")
@@ -63,11 +63,11 @@ def test_sessions_with_the_same_system_prompt_share_blocks_and_free_them():
     b.send("Yo")
     assert b.last_stats.prefix_cache_tokens >= 16
     assert b.last_stats.prefilled_tokens == b.last_stats.prompt_tokens - b.last_stats.prefix_cache_tokens
-    assert engine.pool.stats().shared_blocks >= 4
+    assert engine.pool_stats().shared_blocks >= 4
     a.close()
     b.close()
-    assert engine.pool.num_available == start
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().available_blocks == start
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_reopening_a_session_in_process_continues_its_history():
@@ -86,9 +86,9 @@ def test_fork_shares_blocks_and_diverges_independently():
     engine = make_engine()
     parent = Chat("parent", system="sys", engine=engine, max_new_tokens=6)
     parent.send("base question")
-    used = engine.pool.stats().used_blocks
+    used = engine.pool_stats().used_blocks
     child = parent.fork("child")
-    assert engine.pool.stats().used_blocks == used  # no copy yet
+    assert engine.pool_stats().used_blocks == used  # no copy yet
     assert child.messages == parent.messages
     child.send("child question")
     parent.send("parent question")
@@ -98,7 +98,7 @@ def test_fork_shares_blocks_and_diverges_independently():
         parent.fork("child")
     parent.close()
     child.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 @pytest.mark.parametrize("bad", ["", "../../etc", "a/b", "..", ".hidden", "x" * 129, "semi;colon", 42])

@@ -57,10 +57,10 @@ def test_resume_after_restart_prefills_only_the_new_turn_and_answers_the_same():
     # shows the exact "only the new turn" count).
     assert stats.reused_tokens == ref.last_stats.reused_tokens > 0
     assert stats.prefilled_tokens == ref.last_stats.prefilled_tokens < stats.prompt_tokens
-    assert again.last_generation.token_ids == ref.last_generation.token_ids
+    assert again.last_stats.token_ids == ref.last_stats.token_ids
     assert again.messages == ref.messages
     again.close()
-    assert second.pool.stats().used_blocks == 0
+    assert second.pool_stats().used_blocks == 0
 
 
 def test_shared_system_prompt_is_stored_once():
@@ -152,7 +152,7 @@ def test_corrupt_or_missing_chunk_costs_a_reprefill_not_the_conversation(damage,
     assert info.warning and info.cached_tokens == CHUNK  # the chunk before the bad one still counts
     assert again.messages == history
     again.send("third")
-    assert again.last_generation.token_ids == ref.last_generation.token_ids
+    assert again.last_stats.token_ids == ref.last_stats.token_ids
     if damage != "delete":
         assert list((chatkv_home / "quarantine").iterdir())
     again.close()

@@ -34,7 +34,7 @@ def conversation(engine: Engine, i: int, **sampling: object) -> tuple[list[str],
     replies, tokens = [], []
     for text in TURNS:
         replies.append(chat.send(f"{text} #{i % 4}"))
-        tokens.append(list(chat.last_generation.token_ids))
+        tokens.append(list(chat.last_stats.token_ids))
     chat.close()
     return replies, tokens
 
@@ -72,7 +72,7 @@ def test_16_threads_match_their_conversations_run_alone():
     assert stats.max_batch_seqs > 1, stats  # turns really shared forward passes
     assert stats.steps < 4 * alone.scheduler.stats.steps
     assert stats.finished == 48 and stats.failed == stats.cancelled == 0
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_32_concurrent_astreams_some_cancelled():
@@ -120,7 +120,7 @@ def test_32_concurrent_astreams_some_cancelled():
     assert asyncio.run(asend(chats[i], "again"))
     for chat in chats:
         chat.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_preemption_under_a_small_pool_keeps_greedy_tokens():
@@ -129,7 +129,7 @@ def test_preemption_under_a_small_pool_keeps_greedy_tokens():
     def turn(engine: Engine, i: int) -> list[int]:
         chat = Chat(f"p-{i}", engine=engine, persist=False, max_new_tokens=24, ignore_eos=True)
         chat.send(f"hi {i}")
-        tokens = list(chat.last_generation.token_ids)
+        tokens = list(chat.last_stats.token_ids)
         chat.close()
         return tokens
 
@@ -140,15 +140,18 @@ def test_preemption_under_a_small_pool_keeps_greedy_tokens():
     assert got == want
     assert engine.scheduler.stats.preemptions > 0
     assert engine.scheduler.stats.failed == 0
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def hog_blocks(engine: Engine, tokens: int) -> Sequence:
     """Blocks held outside any session (nothing can demote or preempt them)."""
     hog = Sequence(token_ids=list(range(tokens)))
-    with engine.lock:
+
+    def take() -> None:
         engine.pool.prepare_write(hog, tokens)
         engine.pool.commit(hog, tokens)
+
+    engine.call(take)
     return hog
 
 
@@ -162,36 +165,45 @@ def test_a_turn_that_cannot_fit_alone_waits_then_fails():
     assert chat.messages == []
     # Blocks that come free while the turn waits are used.
     engine.config.block_wait_s = 30.0
-    def free_hog() -> None:
-        with engine.lock:
-            engine.pool.release(hog)
+    blocked = engine.scheduler.stats.blocked_turns
 
-    threading.Timer(0.3, free_hog).start()
+    def free_hog() -> None:
+        assert engine.scheduler.wait_until(lambda: engine.scheduler.stats.blocked_turns > blocked, timeout=60)
+        engine.call(lambda: engine.pool.release(hog))
+
+    freer = threading.Thread(target=free_hog)
+    freer.start()
     assert chat.send(text)
+    freer.join()
+    assert engine.scheduler.stats.blocked_turns == blocked + 1  # it did wait for the hog's blocks
     assert chat.last_stats.finish_reason == "length"
     chat.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_a_full_queue_refuses_new_turns():
-    engine = make_engine(max_waiting=2)
+    # One turn runs at a time; a long one keeps the next two waiting to start.
+    engine = make_engine(max_waiting=2, max_num_seqs=1)
+    long = Chat("q-long", engine=engine, persist=False, max_new_tokens=400, ignore_eos=True)
     chats = [Chat(f"q-{i}", engine=engine, persist=False, max_new_tokens=4) for i in range(3)]
-    # Holding the engine lock keeps the step loop from admitting anything.
-    with engine.lock:
-        streams = [chats[i].stream("hi") for i in range(2)]
-        for s in streams:
-            assert isinstance(next_nonblocking(s), Pending)
-        with pytest.raises(QueueFullError, match="max_waiting"):
-            next(chats[2].stream("hi"))
-        assert engine.scheduler.num_waiting == 2
+    running = long.stream("go on")
+    assert next(running)
+    streams = [chats[i].stream("hi") for i in range(2)]
+    for s in streams:
+        assert isinstance(next_nonblocking(s), Pending)
+    assert engine.scheduler.num_waiting == 2
+    with pytest.raises(QueueFullError, match="max_waiting"):
+        next(chats[2].stream("hi"))
+    running.close()  # the long turn is cancelled: the waiting ones start
     replies = ["".join(s) for s in streams]
-    assert all(len(chats[i].messages) == 2 for i in range(2)) and replies
+    assert all(len(chats[i].messages) == 2 for i in range(2)) and all(replies)
     assert chats[2].messages == []
     assert chats[2].send("hi")  # the queue drained: accepted now
+    long.close()
     assert engine.scheduler.stats.rejected == 1
     for chat in chats:
         chat.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn():
@@ -201,9 +213,9 @@ def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn():
     got = []
     with pytest.raises(KeyboardInterrupt):
         for piece in chat.stream("go on and on"):
-            if not got:
-                threading.Timer(0.05, _thread.interrupt_main).start()
             got.append(piece)
+            if len(got) == 3:
+                _thread.interrupt_main()  # as Ctrl-C would, while the engine runs ahead
     assert chat.last_stats.finish_reason == "interrupted"
     assert chat.history[-1].partial
     assert chat.messages[-1]["content"].startswith("".join(got))
@@ -212,7 +224,7 @@ def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn():
     assert not chat.history[-1].partial
     chat.close()
     other.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_one_turn_per_session_at_a_time():

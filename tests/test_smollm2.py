@@ -58,7 +58,7 @@ def test_three_turns_match_stock_transformers(engine, smollm2_reference, monkeyp
         want_ids, want_logits, prompt_len = stock_turn(smollm2_reference, tok, history)
         first_logits.clear()
         reply = chat.send(text)
-        got = chat.last_generation.token_ids
+        got = chat.last_stats.token_ids
         assert got == want_ids, f"turn {turn}: {tok.decode(got)!r} != {tok.decode(want_ids)!r}"
         assert reply.strip()
         diff = (first_logits[0] - want_logits).abs().max().item()
@@ -74,21 +74,21 @@ def test_three_turns_match_stock_transformers(engine, smollm2_reference, monkeyp
             assert stats.prefilled_tokens < 40
         prev_len = chat.num_cached_tokens
     chat.close()
-    assert engine.pool.stats().used_blocks == 0
+    assert engine.pool_stats().used_blocks == 0
 
 
 def test_shared_system_prompt_is_prefilled_once(engine):
-    start = engine.pool.num_available
+    start = engine.pool_stats().available_blocks
     system = "You are a helpful assistant who answers questions about databases. " * 4
     a = Chat("smol-a", system=system, engine=engine, max_new_tokens=4)
     a.send("Hi")
     b = Chat("smol-b", system=system, engine=engine, max_new_tokens=4)
     b.send("Hello")
     assert b.last_stats.prefix_cache_tokens >= 48
-    assert engine.pool.stats().shared_blocks >= 3
+    assert engine.pool_stats().shared_blocks >= 3
     a.close()
     b.close()
-    assert engine.pool.num_available == start
+    assert engine.pool_stats().available_blocks == start
 
 
 _PROCESS_SCRIPT = r"""
@@ -103,7 +103,7 @@ out = {"restore": info.source, "restored_tokens": info.cached_tokens, "turns": [
 for text in turns:
     chat.send(text)
     s = chat.last_stats
-    out["turns"].append({"ids": chat.last_generation.token_ids, "reused": s.reused_tokens,
+    out["turns"].append({"ids": chat.last_stats.token_ids, "reused": s.reused_tokens,
                          "prefilled": s.prefilled_tokens, "prompt": s.prompt_tokens})
 out["cached"] = chat.num_cached_tokens
 chat.close()
@@ -140,7 +140,7 @@ def test_resume_in_a_new_process_prefills_only_the_new_turn(engine, smollm2_refe
     single = Chat("smol-single", system=SYSTEM, engine=engine, persist=False, max_new_tokens=MAX_NEW)
     for text in TURNS:
         single.send(text)
-    assert turn3["ids"] == single.last_generation.token_ids
+    assert turn3["ids"] == single.last_stats.token_ids
     # ... and transformers re-prefilling the whole history.
     history = single.messages[:-1]
     want, _, _ = stock_turn(smollm2_reference, engine.tokenizer, history)

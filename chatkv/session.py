@@ -1,0 +1,572 @@
+"""The session layer: one :class:`Session` per open conversation, owned by the
+engine's :class:`SessionManager`.
+
+A session owns a conversation's history, its lease in the store, its
+:class:`~chatkv.tiers.TieredKV` (whose blocks the engine's loop owns), its
+last save and its restore. :class:`chatkv.Chat` is a thin handle over one:
+several handles on one id share the session, counted, and the last one to
+close saves it and lets go of its KV and lease.
+
+A turn, whatever started it (``send``, ``append``, ``regenerate``, ``edit``):
+
+1. templates the history it will run on and checks it fits the context
+   window (the one check, before any KV work);
+2. asks the loop to pin the session and bring its KV up to the device
+   (restoring from disk through the one restore path if that is where it is)
+   and to align it to the new token ids, keeping the KV of the common prefix;
+3. runs the turn through the scheduler (generation, or prefill only);
+4. makes the new history the session's, saves the history (rewriting the
+   stored one when the turn replaced part of it) and the KV the turn
+   computed, and unpins the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from chatkv.block_pool import Alignment
+from chatkv.config import SamplingParams
+from chatkv.errors import ChatKVWarning, InvalidMessageError, InvalidSessionIdError, SessionBusyError
+from chatkv.persistence import KVPersister, SavedKV
+from chatkv.stats import RestoreInfo, TurnStats
+from chatkv.storage import StorageError
+from chatkv.tiers import Tier, TieredKV
+
+if TYPE_CHECKING:
+    from chatkv.engine import Engine
+    from chatkv.storage import Store
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Message:
+    """One message of the history. ``partial`` marks a reply cut short (Ctrl-C)."""
+
+    role: str
+    content: str
+    partial: bool = False
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"role": ..., "content": ...}`` as chat templates expect."""
+        return {"role": self.role, "content": self.content}
+
+    @classmethod
+    def parse(cls, m: "dict[str, str] | Message") -> "Message":
+        """A message from a ``{"role", "content"}`` dict (or a copy of a Message).
+
+        Raises:
+            InvalidMessageError: not a dict with a known role and string content.
+        """
+        if isinstance(m, Message):
+            m = {"role": m.role, "content": m.content}
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InvalidMessageError(f"not a message: {m!r} (want {{'role': one of {ROLES}, 'content': str}})")
+        return cls(m["role"], m["content"])
+
+
+def _same(a: Message, b: Message) -> bool:
+    return a.role == b.role and a.content == b.content and a.partial == b.partial
+
+
+def _common(a: list[Message], b: list[Message]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and _same(a[i], b[i]):
+        i += 1
+    return i
+
+
+def _log_failure(future: "Future[object]") -> None:
+    """Log the exception of a job nobody waits for."""
+    exc = future.exception()
+    if exc is not None:
+        log.error("a background session job failed", exc_info=exc)
+
+
+#: Persistent sessions open in this process, by (store, id): one in-memory state per id.
+_OPEN: dict[tuple[int, str], "Session"] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class Session:
+    """One open conversation: history, lease, KV, saves and restores.
+
+    Thread-safety: ``lock`` serialises turns and history changes (one at a
+    time per session); ``kv`` belongs to the engine's loop and is only
+    changed through :meth:`Engine.call`.
+
+    Attributes:
+        session_id: the id.
+        engine: the engine whose pool holds its KV.
+        kv: its KV as the tier policy sees it.
+        store, persister: where it persists (None for an in-process session).
+        messages: the history (the source of truth; KV is a cache of it).
+        saved: what the last successful KV save wrote.
+        restore: how it came back when it was opened.
+        ready: set once the background restore (if any) has finished.
+        handles: how many :class:`~chatkv.Chat` objects use it.
+    """
+
+    def __init__(self, manager: "SessionManager", session_id: str, store: "Store | None",
+                 chunk_tokens: int) -> None:
+        """An empty session (the manager opens it)."""
+        self.manager = manager
+        self.engine = manager.engine
+        self.session_id = session_id
+        self.store = store
+        self.persister = KVPersister(self.engine, store, chunk_tokens) if store is not None else None
+        self.kv = TieredKV(session_id, persistent=store is not None)
+        self.messages: list[Message] = []
+        self._stored: list[Message] = []  # what the store holds, as far as this process knows
+        self.saved = SavedKV()
+        self.restore = RestoreInfo("new")
+        self.ready = threading.Event()
+        self.opened = threading.Event()
+        self.open_error: BaseException | None = None
+        self.lock = threading.Lock()
+        self._mu = threading.Lock()
+        self._in_turn = False
+        self.handles = 0
+        self.closed = False
+
+    def begin_turn(self) -> None:
+        """Claim the session for one turn or history change (release with
+        :meth:`end_turn`): waits for maintenance that holds :attr:`lock`, but
+        refuses a second turn at once.
+
+        Raises:
+            SessionBusyError: a turn is already in flight on this session.
+        """
+        with self._mu:
+            if self._in_turn:
+                raise SessionBusyError(f"session {self.session_id!r} already has a turn in flight")
+            self._in_turn = True
+        self.lock.acquire()
+
+    def end_turn(self) -> None:
+        """Release what :meth:`begin_turn` claimed."""
+        self.lock.release()
+        with self._mu:
+            self._in_turn = False
+
+    # -- the loop's side (run through engine.call) -------------------------------------
+
+    def _prepare(self) -> Tier:
+        self.kv.pins += 1
+        return self.engine.tiers.promote(self.kv)
+
+    def _align(self, ids: list[int]) -> Alignment:
+        return self.engine.pool.align(self.kv.seq, ids)
+
+    def _unpin(self) -> None:
+        self.kv.pins -= 1
+        self.kv.last_used = time.monotonic()
+        self.engine.tiers.enforce_budgets()
+
+    def unpin_later(self) -> None:
+        """Unpin the session on the loop without waiting for it."""
+        future = self.engine.scheduler.submit_job(self._unpin, "unpin")
+        future.add_done_callback(_log_failure)
+
+    # -- turns -----------------------------------------------------------------------
+
+    def _ids(self, history: list[Message], generate: bool) -> list[int]:
+        ids = self.engine.encode_chat([m.as_dict() for m in history], add_generation_prompt=generate)
+        self.engine.check_context(len(ids), generate=generate, what="the conversation")
+        return ids
+
+    def _bring_up(self, ids: list[int] | None, stats: TurnStats) -> None:
+        """Pin, promote (restoring from disk if needed) and align to ``ids`` (if
+        given). The session stays pinned when this returns normally or raises."""
+        engine = self.engine
+        source = engine.call(self._prepare, "prepare turn")
+        stats.kv_source = source
+        lost = self.kv.lost
+        if self.kv.tier is Tier.DISK:
+            info = RestoreInfo("disk")
+            if self.persister is not None:
+                self.saved = self.persister.restore(self.kv, info) or SavedKV()
+            else:
+                engine.call(lambda: engine.tiers.restored(self.kv), "restored")
+            lost = info.warning or self.kv.lost
+        if ids is None:
+            return
+        align = engine.call(lambda: self._align(ids), "align")
+        stats.prompt_tokens = len(ids)
+        stats.reused_tokens = align.kept
+        stats.prefix_cache_tokens = align.prefix_cache
+        stats.discarded_tokens = align.discarded
+        if align.discarded:
+            stats.not_reused = f"the history diverged from the cached tokens at token {align.kept}"
+        elif lost and align.kept < len(ids) - 1:
+            stats.not_reused = lost
+        self.kv.lost = None
+
+    def turn(self, history: list[Message], params: SamplingParams, stats: TurnStats) -> Iterator[str]:
+        """Run a generating turn on ``history`` (ending with the user message),
+        yielding the reply's pieces. When it ends with at least one token, the
+        history becomes ``history`` plus the reply (``partial`` if interrupted)
+        and is saved; otherwise nothing changes. The caller holds :attr:`lock`."""
+        ids = self._ids(history, generate=True)
+        try:
+            self._bring_up(ids, stats)
+            try:
+                yield from self.engine.generate(self.kv.seq, params, stats)
+            finally:
+                if stats.token_ids:
+                    partial = stats.finish_reason == "interrupted"
+                    self.messages = list(history) + [Message("assistant", stats.text, partial=partial)]
+                self.persist(stats)
+        finally:
+            self.unpin_later()
+            stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
+
+    def prefill(self, history: list[Message], stats: TurnStats) -> None:
+        """Teacher-force ``history`` into the KV without generating, make it the
+        session's history and save it. The caller holds :attr:`lock`."""
+        ids = self._ids(history, generate=False)
+        try:
+            self._bring_up(ids, stats)
+            stats.prefilled_tokens = self.engine.prefill(self.kv.seq, stats)
+            self.messages = list(history)
+            self.persist(stats)
+        finally:
+            self.unpin_later()
+            stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
+
+    def set_history(self, messages: list[Message]) -> None:
+        """Replace the history (a rewind, a new system prompt, a reset) and save it;
+        the KV is realigned on the next turn. The caller holds :attr:`lock`."""
+        self.messages = list(messages)
+        self.persist()
+
+    def forget_kv(self) -> None:
+        """Release every bit of KV the session holds in memory (it keeps its tier entry)."""
+        def drop() -> None:
+            kv = self.kv
+            self.engine.pool.release(kv.seq)
+            kv.offloaded = None
+            kv.tier = Tier.DEVICE
+        self.engine.call(drop, "forget KV")
+
+    # -- saving ----------------------------------------------------------------------
+
+    def persist(self, stats: TurnStats | None = None) -> None:
+        """Save what the store lacks: the history (rewritten from the first
+        message that differs, in one transaction), then the KV chunks, if the
+        KV is on the device. Storage failures warn and leave the in-memory
+        conversation intact (the next save retries). The caller holds :attr:`lock`."""
+        store, persister = self.store, self.persister
+        if store is None or persister is None:
+            return
+        try:
+            self._save_history(store)
+            snap = self.engine.call(
+                lambda: persister.snapshot(self.kv.seq, self.saved) if self.kv.tier is Tier.DEVICE else None,
+                "snapshot")
+            if snap is not None:
+                self.saved, result = persister.write(self.session_id, snap)
+                self.kv.disk_bytes = sum(c.bytes for c in self.saved.chunks)
+                if stats is not None:
+                    stats.bytes_written = result.bytes_written
+        except StorageError as exc:
+            message = f"could not save session {self.session_id!r}: {exc}; the conversation continues in memory"
+            if stats is not None:
+                stats.persist_error = message
+            log.warning("%s", message)
+            warnings.warn(message, ChatKVWarning, stacklevel=4)
+
+    def _save_history(self, store: "Store") -> None:
+        keep = _common(self._stored, self.messages)
+        rest = self.messages[keep:]
+        if keep == len(self._stored) and not rest:
+            return
+        rows = [(m.role, m.content, None, m.partial) for m in rest]
+        if keep < len(self._stored):
+            store.rewrite_history(self.session_id, keep, rows)
+        else:
+            store.append_messages(self.session_id, rows)
+        self._stored = [dataclasses.replace(m) for m in self.messages]
+
+    def drop_stored_kv(self) -> None:
+        """After the tier policy expired the session, drop its stored KV too
+        (unless a turn brought it back meanwhile)."""
+        with self.lock:
+            if self.kv.tier is not Tier.EXPIRED or self.store is None:
+                return
+            try:
+                self.store.invalidate_kv(self.session_id)
+            except StorageError as exc:
+                log.warning("session %s: could not expire its stored KV: %s", self.session_id, exc)
+                return
+            self.saved = SavedKV()
+            self.kv.disk_bytes = 0
+
+
+class SessionManager:
+    """Opens, shares, forks, maintains and closes the sessions of one engine."""
+
+    def __init__(self, engine: "Engine") -> None:
+        """A manager for ``engine``'s sessions (none open yet)."""
+        self.engine = engine
+        self._mu = threading.Lock()
+        self._local: dict[str, Session] = {}  # in-process sessions (no store), kept after close
+        self._stores: dict[int, "Store"] = {}
+        self._maint_stop: threading.Event | None = None
+        self._last_store_gc = time.monotonic()
+        self.start_maintenance()
+
+    # -- open and close ------------------------------------------------------------------
+
+    def open(self, session_id: str, *, store: "Store | None", chunk_tokens: int,
+             lease_timeout_s: float = 0.0, system: str | None = None) -> Session:
+        """The session ``session_id``, opened (or shared, if already open in this
+        process) with one more handle. With a ``store``, a new one is created,
+        an existing one's history is loaded and its KV restored in the
+        background (:attr:`Session.ready`), and its lease is taken.
+
+        Raises:
+            SessionBusyError: the id is open in this process on another engine.
+            SessionLockedError: another process holds it.
+            StorageError: the store failed.
+        """
+        if store is None:
+            with self._mu:
+                session = self._local.get(session_id)
+                if session is None:
+                    session = self._local[session_id] = Session(self, session_id, None, chunk_tokens)
+                    self.engine.call(lambda: self.engine.tiers.register(session.kv), "register")
+                    session.opened.set()
+                    session.ready.set()
+                elif session.ready.is_set():
+                    session.restore = RestoreInfo("memory", turns=self._turns(session),
+                                                  cached_tokens=session.kv.seq.num_computed)
+                session.handles += 1
+            return session
+        key = (id(store), session_id)
+        with _OPEN_LOCK:
+            session = _OPEN.get(key)
+            creating = session is None
+            if creating:
+                session = _OPEN[key] = Session(self, session_id, store, chunk_tokens)
+            elif session.engine is not self.engine:
+                raise SessionBusyError(
+                    f"session {session_id!r} is already open in this process on another engine "
+                    f"(model {session.engine.loaded.name!r}); close it there first")
+            session.handles += 1
+        if not creating:
+            session.opened.wait()
+            if session.open_error is not None:
+                raise session.open_error
+            if session.ready.is_set():
+                session.restore = RestoreInfo("memory", turns=self._turns(session),
+                                              cached_tokens=session.kv.seq.num_computed)
+            return session
+        try:
+            self._open_stored(session, store, lease_timeout_s, system)
+        except BaseException as exc:
+            session.open_error = exc
+            with _OPEN_LOCK:
+                _OPEN.pop(key, None)
+            session.opened.set()
+            raise
+        session.opened.set()
+        return session
+
+    @staticmethod
+    def _turns(session: Session) -> int:
+        return sum(m.role == "user" for m in session.messages)
+
+    def _open_stored(self, session: Session, store: "Store", lease_timeout_s: float,
+                     system: str | None) -> None:
+        engine, sid = self.engine, session.session_id
+        existed = store.has_session(sid)
+        store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
+        store.acquire_lease(sid, timeout_s=lease_timeout_s)
+        try:
+            records = store.messages(sid)
+            session.messages = [Message(r.role, r.content, r.partial) for r in records]
+            session._stored = [dataclasses.replace(m) for m in session.messages]
+            session.restore = RestoreInfo("history" if existed else "new", turns=self._turns(session))
+            n_cached = store.get_session(sid).n_cached if existed else 0
+            kv = session.kv
+            kv.tier = Tier.DISK if n_cached else Tier.DEVICE
+            kv.pins = 1 if n_cached else 0
+            engine.call(lambda: engine.tiers.register(kv), "register")
+        except BaseException:
+            store.release_lease(sid)
+            raise
+        with self._mu:
+            self._stores[id(store)] = store
+        if not n_cached:
+            session.ready.set()
+            return
+        threading.Thread(target=self._restore_at_open, args=(session,), name=f"chatkv-restore-{sid}",
+                         daemon=True).start()
+
+    def _restore_at_open(self, session: Session) -> None:
+        info = session.restore
+        try:
+            saved = session.persister.restore(session.kv, info, need_room=True)  # type: ignore[union-attr]
+            if saved is not None:
+                session.saved = saved
+        except Exception as exc:  # a storage failure costs a re-prefill, never the session
+            info.warning = f"could not load the KV of session {session.session_id!r}: {exc}; re-prefilling"
+            log.warning("%s", info.warning)
+            session.saved = SavedKV()
+        finally:
+            info.cached_tokens = session.kv.seq.num_computed
+            if info.cached_tokens:
+                info.source = "disk"
+            session.unpin_later()
+            session.ready.set()
+        if info.warning:
+            warnings.warn(info.warning, ChatKVWarning, stacklevel=2)
+
+    def close(self, session: Session) -> None:
+        """Drop one handle; the last one saves the session and releases its KV (and,
+        for a stored session, its lease and its place in memory)."""
+        with _OPEN_LOCK if session.store is not None else self._mu:
+            session.handles -= 1
+            last = session.handles == 0
+            if last and session.store is not None:
+                _OPEN.pop((id(session.store), session.session_id), None)
+                session.closed = True
+        if not last:
+            return
+        session.ready.wait()
+        with session.lock:
+            session.persist()
+            if session.store is None:
+                session.forget_kv()
+                return
+            self.engine.call(lambda: self.engine.tiers.unregister(session.kv), "unregister")
+            session.store.release_lease(session.session_id)
+
+    def fork(self, parent: Session, session_id: str) -> Session:
+        """A new session (one handle) that starts as a copy of ``parent``, sharing
+        its KV blocks copy-on-write and, on disk, its chunks.
+
+        Raises:
+            InvalidSessionIdError: ``session_id`` is already used.
+        """
+        engine, store = self.engine, parent.store
+        with _OPEN_LOCK, self._mu:
+            taken = session_id in self._local or (store is not None and (id(store), session_id) in _OPEN)
+        if taken or (store is not None and store.has_session(session_id)):
+            raise InvalidSessionIdError(f"session {session_id!r} already exists")
+        parent.ready.wait()
+        parent.begin_turn()
+        try:
+            parent._bring_up(None, TurnStats())  # pinned until the child shares its blocks
+            chunk_tokens = parent.persister.chunk_tokens if parent.persister else 256
+            child = self.open(session_id, store=store, chunk_tokens=chunk_tokens)
+            with child.lock:
+                def share() -> None:
+                    engine.pool.release(child.kv.seq)
+                    child.kv.seq = engine.pool.fork(parent.kv.seq)
+                    child.kv.tier = Tier.DEVICE
+                engine.call(share, "fork")
+                child.messages = [dataclasses.replace(m) for m in parent.messages]
+                child.persist()
+        finally:
+            parent.unpin_later()
+            parent.end_turn()
+        return child
+
+    # -- tiers ----------------------------------------------------------------------
+
+    def _all(self) -> list[Session]:
+        with _OPEN_LOCK, self._mu:
+            stored = [s for s in _OPEN.values() if s.engine is self.engine]
+            return stored + list(self._local.values())
+
+    def get(self, session_id: str) -> Session | None:
+        """The session ``session_id`` open (not still opening) on this engine, if any."""
+        for s in self._all():
+            if s.session_id == session_id and s.opened.is_set() and s.open_error is None:
+                return s
+        return None
+
+    def demote(self, session_id: str, tier: Tier | str) -> bool:
+        """Move an idle open session down to ``tier`` now (see
+        :meth:`chatkv.tiers.TierManager.demote`); False if it is busy or not above it."""
+        session = self.get(session_id)
+        if session is None:
+            raise KeyError(session_id)
+
+        def move() -> bool:
+            tiers = self.engine.tiers
+            return tiers.get(session_id) is session.kv and tiers.demote(session.kv, tier)
+
+        moved = self.engine.call(move, "demote")
+        if moved and session.kv.tier is Tier.EXPIRED:
+            session.drop_stored_kv()
+        return moved
+
+    def maintain(self, now: float | None = None, store_gc: bool | None = None) -> None:
+        """One maintenance pass: the tier policies (idle times, budgets) on the
+        loop; the stored KV of sessions that expired is dropped; and, every
+        ``store_gc_interval_s`` (or when ``store_gc`` is True), the disk policy
+        (KV TTL, disk budget, orphan files) on every store this engine's
+        sessions use, skipping the sessions open here (their policy ran above)."""
+        expired = self.engine.call(lambda: self.engine.tiers.maintain(now), "maintain")
+        by_kv = {id(s.kv): s for s in self._all()}
+        for kv in expired:
+            session = by_kv.get(id(kv))
+            if session is not None:
+                session.drop_stored_kv()
+        config = self.engine.tiers.config
+        due = config.store_gc_interval_s is not None and \
+            time.monotonic() - self._last_store_gc >= config.store_gc_interval_s
+        if store_gc or (store_gc is None and due):
+            from chatkv.storage import DiskPolicy, enforce_disk_policy
+
+            self._last_store_gc = time.monotonic()
+            policy = DiskPolicy(kv_ttl_s=config.kv_ttl_s, disk_budget_bytes=config.disk_budget_bytes)
+            with self._mu:
+                stores = list(self._stores.values())
+            open_ids = [s.session_id for s in self._all()]
+            for store in stores:
+                report = enforce_disk_policy(store, policy, skip=open_ids)
+                if report.expired_sessions or report.over_budget_sessions or report.files_removed:
+                    log.info("disk policy: expired %d, over budget %d, removed %d files",
+                             len(report.expired_sessions), len(report.over_budget_sessions), report.files_removed)
+
+    def start_maintenance(self) -> None:
+        """(Re)start the background maintenance thread at the configured interval
+        (stopping it when there is none). Failures are logged, never swallowed."""
+        if self._maint_stop is not None:
+            self._maint_stop.set()
+            self._maint_stop = None
+        interval = self.engine.tiers.config.maintenance_interval_s
+        if not interval:
+            return
+        stop = self._maint_stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval):
+                try:
+                    self.maintain()
+                except Exception:
+                    log.exception("tier maintenance failed; retrying in %.1f s", interval)
+
+        threading.Thread(target=loop, name="chatkv-maintenance", daemon=True).start()
+
+    def stop_maintenance(self) -> None:
+        """Stop the maintenance thread, if running."""
+        if self._maint_stop is not None:
+            self._maint_stop.set()
+            self._maint_stop = None
+
