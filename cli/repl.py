@@ -195,6 +195,8 @@ def turn_summary(chat: "Chat") -> str | None:
     if s.decode_tokens_per_s:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s")
     line = "[" + " · ".join(parts) + "]"
+    if s.not_reused:
+        line += f"\n(KV not reused: {s.not_reused})"
     if s.persist_error:
         line += f"\nwarning: this turn was not saved ({s.persist_error}); the conversation goes on in memory"
     return line
@@ -218,10 +220,12 @@ def stats_lines(chat: "Chat", store: "Store") -> list[str]:
                      f"total {s.total_s:.2f} s, finished: {s.finish_reason}; "
                      f"saved {human_bytes(s.bytes_written)}" + (f" (not saved: {s.persist_error})"
                                                                 if s.persist_error else ""))
+        if s.not_reused:
+            lines.append(f"           KV not reused: {s.not_reused}")
     turns = sum(1 for m in chat.history if m.role == "user")
     lines.append(f"session {chat.session_id}: {turns} turns, {chat.num_cached_tokens} cached tokens "
                  f"(when opened: {kv_origin(chat)})")
-    pool = chat.engine.pool.stats()
+    pool = chat.engine.pool_stats()
     blocks = math.ceil(chat.num_cached_tokens / pool.block_size) if pool.block_size else 0
     lines.append(f"  device: {blocks} blocks ≈ {human_bytes(blocks * pool.bytes_per_block)} "
                  f"(pool: {pool.used_blocks} used, {pool.cached_blocks} cached, "
@@ -235,12 +239,12 @@ def stats_lines(chat: "Chat", store: "Store") -> list[str]:
         lines.append(f"  disk:   - ({exc})")
     if s is not None:
         lines.append(f"  this turn's KV came from: {s.kv_source}")
-    tiers = chat.tiers.stats()
+    tiers = chat.engine.tier_stats()
+    scheme = chat.engine.tiers.config.quant_scheme
     lines.append("  engine tiers: " + ", ".join(
         f"{tier} {tiers.sessions[tier]} ({human_bytes(tiers.bytes[tier])})"
         for tier in ("device", "quantized", "host", "disk") if tiers.sessions[tier]) +
-        f"; quantization {chat.tiers.config.quant_scheme}, "
-        f"{tiers.bytes_per_token[chat.tiers.config.quant_scheme]:.0f} B/token")
+        f"; quantization {scheme}, {tiers.bytes_per_token[scheme]:.0f} B/token")
     return lines
 
 
@@ -253,7 +257,11 @@ only \"\"\" opens a block closed by the next such line. //text sends "/text".
 
   /help            this help
   /stats           last turn (reused vs prefilled tokens, first token, tok/s) and session bytes
-  /history         the conversation so far
+  /history         the conversation so far, numbered
+  /undo            drop the last exchange (your message and its reply)
+  /retry           replace the last reply with a new one
+  /edit [N] TEXT   replace your message number N (default: the last one) with TEXT,
+                   drop what followed, and reply again
   /reset           forget the conversation (keeps the system prompt)
   /session NAME    switch to (or create) another session; no NAME prints the current one
   /sessions        stored sessions
@@ -307,6 +315,7 @@ class Repl:
         self.chat_options = chat_options
         self.commands: dict[str, Callable[[str], bool]] = {
             "help": self.cmd_help, "stats": self.cmd_stats, "history": self.cmd_history,
+            "undo": self.cmd_undo, "retry": self.cmd_retry, "edit": self.cmd_edit,
             "reset": self.cmd_reset, "session": self.cmd_session, "sessions": self.cmd_sessions,
             "system": self.cmd_system, "set": self.cmd_set, "exit": self.cmd_exit, "quit": self.cmd_exit,
         }
@@ -344,12 +353,17 @@ class Repl:
 
     def reply(self, text: str) -> None:
         """Stream the reply to ``text``; Ctrl-C stops it, keeping the partial reply."""
+        self.stream(lambda: self.chat.stream(text, **self.overrides))
+
+    def stream(self, start: Callable[[], Iterator[str]]) -> None:
+        """Run a turn (``start()`` returns its pieces), streaming it to the terminal;
+        Ctrl-C stops it, keeping the partial reply."""
         from chatkv.errors import ChatKVError
         from chatkv.storage import StorageError
 
         interrupted = False
         try:
-            pieces = self.chat.stream(text, **self.overrides)
+            pieces = start()
             with graceful_sigint() as stop:
                 try:
                     for piece in pieces:
@@ -391,9 +405,44 @@ class Repl:
         history = self.chat.history
         if not history:
             click.echo("(no messages yet)")
-        for m in history:
+        for i, m in enumerate(history):
             mark = " [interrupted]" if m.partial else ""
-            click.echo(f"{m.role}: {printable(m.content)}{mark}")
+            click.echo(f"[{i}] {m.role}: {printable(m.content)}{mark}")
+        return True
+
+    def cmd_undo(self, arg: str) -> bool:
+        """``/undo``: drop the last exchange (the user message and what followed it)."""
+        from chatkv.errors import ChatKVError
+
+        try:
+            removed = self.chat.rewind(1)
+        except ChatKVError as exc:
+            click.echo(f"error: {exc}", err=True)
+            return True
+        click.echo(f"removed {len(removed)} messages: {printable(removed[0]['content'])[:60]!r}…"
+                   if removed else "nothing to undo")
+        return True
+
+    def cmd_retry(self, arg: str) -> bool:
+        """``/retry``: generate the last reply again (with the current sampling settings)."""
+        self.stream(lambda: self.chat.stream_regenerate(**self.overrides))
+        return True
+
+    def cmd_edit(self, arg: str) -> bool:
+        """``/edit [N] TEXT``: replace user message N (default: the last) and reply again."""
+        head, _, rest = arg.partition(" ")
+        if head.isdigit() and rest.strip():
+            index, text = int(head), rest.strip()
+        else:
+            users = [i for i, m in enumerate(self.chat.history) if m.role == "user"]
+            if not users:
+                click.echo("error: there is no message to edit", err=True)
+                return True
+            index, text = users[-1], arg
+        if not text:
+            click.echo("usage: /edit [N] TEXT (N from /history)", err=True)
+            return True
+        self.stream(lambda: self.chat.stream_edit(index, text, **self.overrides))
         return True
 
     def cmd_reset(self, arg: str) -> bool:

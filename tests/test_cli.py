@@ -357,13 +357,39 @@ def test_repl_piped_input_commands_and_multiline() -> None:
 def test_repl_resumes_piped_session_from_disk() -> None:
     assert run("repl", "--model", "tiny:llama", "--session", "pipe-r", "--max-new-tokens", "4",
                input="hi\nthere\n").exit_code == 0
-    from chatkv.engine import get_engine
-
-    get_engine("tiny:llama").sessions.pop("pipe-r", None)  # as if this were a new process
+    # The session left this process's memory when the REPL closed it.
     res = run("repl", "--model", "tiny:llama", "--session", "pipe-r", input="/history\n")
     assert res.exit_code == 0, res.output
     assert re.search(r"resumed pipe-r: 2 turns, \d+ cached tokens; KV loaded from disk", res.stdout)
     assert "user: hi\n" in res.stdout and "user: there\n" in res.stdout
+
+
+def test_repl_undo_retry_and_edit() -> None:
+    script = "\n".join([
+        "/undo",  # nothing yet
+        "/retry",
+        "first question",
+        "second question",
+        "/retry",
+        "/edit 0 an edited first question",
+        "/history",
+        "/undo",
+        "/history",
+        "/edit 5 nope",
+        "/exit",
+    ]) + "\n"
+    res = run("repl", "--model", "tiny:llama", "--session", "pipe-e", "--max-new-tokens", "4", input=script)
+    assert res.exit_code == 0, res.output
+    out, err = res.stdout, res.stderr
+    assert "cannot rewind 1 turns: the conversation has 0" in err
+    assert "there is no reply to regenerate" in err
+    assert err.count("[reused") == 4  # two messages, a retry and an edit replied
+    assert "[0] user: an edited first question" in out
+    assert "second question" not in out.split("[0] user: an edited first question")[1]
+    assert "removed 2 messages" in out
+    assert "message 5 is not a user message" in err
+    with Store() as store:
+        assert [m.role for m in store.messages("pipe-e")] == []  # the edit, then its undo
 
 
 def test_repl_session_in_use_exits_5() -> None:
