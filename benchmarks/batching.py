@@ -64,7 +64,7 @@ def _turn(engine: Engine, sid: str, text: str, new_tokens: int) -> int:
     chat = Chat(sid, engine=engine, persist=False, max_new_tokens=new_tokens, ignore_eos=True)
     try:
         chat.send(text)
-        return len(chat.last_generation.token_ids) if chat.last_generation else 0
+        return len(chat.last_stats.token_ids) if chat.last_stats else 0
     finally:
         chat.close()
 

@@ -169,10 +169,10 @@ def quantized_cache(runner: Runner, kv: list[tuple[Tensor, Tensor]], scheme: str
 
 
 def _template_ids(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
+    """The ids a session would hold for ``messages`` (see :func:`chatkv.models.encode_chat`)."""
+    from chatkv.models import encode_chat
+
+    return encode_chat(tokenizer, messages, generation_prompt)
 
 
 @dataclass

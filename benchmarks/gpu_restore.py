@@ -46,7 +46,7 @@ def main() -> int:
     from chatkv.runner import StepInput
     from chatkv.sequence import Sequence
     from chatkv.testing import tiny_tokenizer
-    from chatkv.tiers import offload, reload
+    from chatkv.offload import offload, reload
 
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
@@ -99,20 +99,23 @@ def main() -> int:
 
             re_prefill.append(timed(prefill_all))
             seq.token_ids.pop()
-            engine.pool.truncate(seq, ctx)  # the session's KV covers the history only
+            engine.call(lambda: engine.pool.truncate(seq, ctx))  # the session's KV covers the history only
             for scheme, sink in (("none", restore_fp), ("int8", restore_i8)):
-                off = offload(engine.pool, seq, scheme, engine.lock).to(torch.device("cpu"))
+                off = engine.call(lambda: offload(engine.pool, seq, scheme).to(torch.device("cpu")))
                 host_bytes[scheme] = off.nbytes
                 back = Sequence()
 
                 def restore_and_step() -> None:
-                    reload(engine.pool, back, off, engine.lock)
-                    back.token_ids.append(new_token[0])
-                    engine.runner.forward([StepInput(back, new_token)])
+                    def run() -> None:  # on the engine's loop, which owns the pool
+                        reload(engine.pool, back, off)
+                        back.token_ids.append(new_token[0])
+                        engine.runner.forward([StepInput(back, new_token)])
+                        sync()
+                    engine.call(run)
 
                 sink.append(timed(restore_and_step))
-                engine.pool.release(back)
-            engine.pool.release(seq)
+                engine.call(lambda: engine.pool.release(back))
+            engine.call(lambda: engine.pool.release(seq))
         med = statistics.median
         rows.append((ctx, med(re_prefill), med(restore_fp), med(restore_i8),
                      ctx * per_token, host_bytes["none"], host_bytes["int8"]))

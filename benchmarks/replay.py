@@ -40,61 +40,33 @@ from typing import Any
 from chatkv.storage import Store
 
 from benchmarks.measure import Sample, evict_page_cache, raw_read, sample_for
-from benchmarks.workload import Point, template_ids
-from chatkv.chat import Chat, Message, TurnStats
+from benchmarks.workload import Point
+from chatkv.chat import Chat
+from chatkv.stats import TurnStats
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.models import LoadedModel
 
 
-def instrument(engine: Engine) -> dict[str, float]:
-    """Record when each ``engine.generate`` starts (``marks["start"]``, perf_counter).
-
-    ``GenerationResult.ttft_s`` counts from the start of ``generate``; adding this
-    mark gives the first token's wall time, so TTFT can count from the moment the
-    session was asked for (restore, templating and alignment included).
-    """
-    marks: dict[str, float] = {}
-    generate = engine.generate
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        marks["start"] = time.perf_counter()
-        return generate(*args, **kwargs)
-
-    engine.generate = timed  # type: ignore[method-assign]
-    return marks
-
-
 def append_messages(chat: Chat, messages: list[dict[str, str]]) -> TurnStats:
-    """Teacher-force ``messages`` onto ``chat``: extend its history and KV without
-    generating, then save the session (incrementally) like a turn does.
-
-    Uses ``Chat`` internals; the public equivalent would be ``Chat.append``.
+    """Teacher-force ``messages`` onto ``chat`` (:meth:`Chat.append`): extend its
+    history and KV without generating, then save the session incrementally.
 
     Returns:
-        The save's stats (``prefilled_tokens``, ``reused_tokens``, ``bytes_written``).
+        The turn's stats (``prefilled_tokens``, ``reused_tokens``, ``bytes_written``).
     """
-    state = chat._state
-    state.ready.wait()
-    new = state.messages + [Message(m["role"], m["content"]) for m in messages]
-    ids = template_ids(chat.engine.tokenizer, [m.as_dict() for m in new], generation_prompt=False)
-    stats = TurnStats()
-    with state.busy:
-        chat._align(state.seq, ids, stats)
-        _, stats.prefilled_tokens = chat.engine.prefill(state.seq)
-        state.messages = new
-        chat._persist(state, stats)
-    return stats
+    return chat.append(messages)
 
 
-def timed_turn(open_chat: Callable[[], Chat], user: str, new_tokens: int, marks: dict[str, float]
+def timed_turn(open_chat: Callable[[], Chat], user: str, new_tokens: int
                ) -> tuple[float, float, list[int], Chat, dict[str, float]]:
     """Open a session and send ``user``, timing from the call of ``open_chat``.
 
     Returns:
         ``(seconds to the first token, decode seconds, generated ids, the chat,
         breakdown)``; the breakdown has ``open_s`` (the ``open_chat`` call) and
-        ``first_token_s`` (``Engine.generate``'s own time to first token: the
+        ``first_token_s`` (the turn's own time to first token, from the
+        ``stream`` call: waiting for the restore, templating, alignment, the
         delta's prefill and the first sample).
     """
     t0 = time.perf_counter()
@@ -102,9 +74,9 @@ def timed_turn(open_chat: Callable[[], Chat], user: str, new_tokens: int, marks:
     opened = time.perf_counter() - t0
     for _ in chat.stream(user, max_new_tokens=new_tokens, ignore_eos=True):
         pass
-    gen = chat.last_generation
-    assert gen is not None and gen.ttft_s is not None
-    ttft = marks["start"] + gen.ttft_s - t0
+    gen = chat.last_stats
+    assert gen is not None and gen.ttft_s is not None and gen.started_at is not None
+    ttft = gen.started_at + gen.ttft_s - t0
     return ttft, gen.decode_s, list(gen.token_ids), chat, {"open_s": opened, "first_token_s": gen.ttft_s}
 
 
@@ -127,7 +99,6 @@ class ChatkvReplay:
         self.loaded, self.home, self.model_spec, self.threads = loaded, home, model_spec, threads
         self.store = Store(home)
         self.engine = Engine(loaded)
-        self.marks = instrument(self.engine)
         self.chats: dict[int, Chat] = {}
         self.snapshots: list[str] = []
         self.bytes_written = 0
@@ -155,7 +126,8 @@ class ChatkvReplay:
             self.replayed_tokens += stats.prefilled_tokens
             self.bytes_written += stats.bytes_written
             self.full_rewrite_bytes += self.store.session_bytes(chat.session_id).total
-        assert tuple(chat._state.seq.computed_ids[: point.n_cached]) == point.cached_ids
+        cached = self.engine.call(lambda: tuple(chat._session.kv.seq.computed_ids[: point.n_cached]))
+        assert cached == point.cached_ids
         self.clone(chat.session_id, point.key)
         self.snapshots.append(point.key)
 
@@ -181,12 +153,11 @@ class ChatkvReplay:
         """The chunk files of a session, in order."""
         return [self.store.path_of(c) for c in self.store.kv_chunks(session_id)]
 
-    def fresh_engine(self, point: Point, new_tokens: int) -> tuple[Engine, dict[str, float]]:
+    def fresh_engine(self, point: Point, new_tokens: int) -> Engine:
         """An engine with an empty pool just large enough for ``point``'s next turn."""
         bs = EngineConfig().block_size
         blocks = math.ceil((len(point.prompt_ids) + new_tokens) / bs) + 4
-        engine = Engine(self.loaded, EngineConfig(num_blocks=blocks))
-        return engine, instrument(engine)
+        return Engine(self.loaded, EngineConfig(num_blocks=blocks))
 
     def close(self) -> None:
         """Close every open session and the store."""
@@ -216,11 +187,10 @@ class ChatkvTier:
         """Untimed setup of the clone ``session_id``; returns facts for the sample."""
         return {}
 
-    def open(self, point: Point, session_id: str) -> tuple[Callable[[], Chat], dict[str, float]]:
-        """How the session comes back: a callable that opens it (timed) and the
-        marks dict of the engine it runs on."""
-        engine, marks = self.bench.fresh_engine(point, self.new_tokens)
-        return (lambda: Chat(session_id, engine=engine, store=self.bench.store)), marks
+    def open(self, point: Point, session_id: str) -> Callable[[], Chat]:
+        """How the session comes back: a callable that opens it (timed)."""
+        engine = self.bench.fresh_engine(point, self.new_tokens)
+        return lambda: Chat(session_id, engine=engine, store=self.bench.store)
 
     def after(self, point: Point, session_id: str, chat: Chat) -> dict[str, float]:
         """Untimed measurements after the turn (before the clone is deleted)."""
@@ -231,8 +201,8 @@ class ChatkvTier:
         sid = self.bench.clone(point.key, f"t{repeat}-{point.key}")
         try:
             extra = self.before(point, sid)
-            opener, marks = self.open(point, sid)
-            ttft, decode, tokens, chat, parts = timed_turn(opener, point.user, self.new_tokens, marks)
+            opener = self.open(point, sid)
+            ttft, decode, tokens, chat, parts = timed_turn(opener, point.user, self.new_tokens)
             info = chat.restore
             extra.update(parts)
             extra.update(restore_s=info.seconds, bytes_read=info.bytes_read, cached_tokens=info.cached_tokens)
@@ -266,18 +236,15 @@ class HotTier(ChatkvTier):
         """Send the next turn, then roll the session back to the history."""
         chat = self.chat
         assert chat is not None
-        ttft, decode, tokens, _, parts = timed_turn(lambda: chat, point.user, self.new_tokens, self.bench.marks)
-        state = chat._state
-        with self.bench.engine.lock:
-            self.bench.engine.pool.truncate(state.seq, point.n_cached)
-        state.messages = [Message(m["role"], m["content"]) for m in point.history]
+        ttft, decode, tokens, _, parts = timed_turn(lambda: chat, point.user, self.new_tokens)
+        chat.rewind(1)  # back to the history; the next turn realigns its KV to it
+        assert chat.messages == list(point.history)
         return sample_for(self.name, point, repeat, ttft, decode, tokens, **parts)
 
     def release(self, point: Point) -> None:
         """Release the session's blocks and forget it."""
         if self.chat is not None:
             self.chat.close()
-            self.bench.engine.sessions.pop(self.chat.session_id, None)
         self.chat = None
 
 

@@ -23,7 +23,7 @@ def _run(engine: Any, sid: str, text: str, new_tokens: int) -> tuple[int, float 
     chat = Chat(sid, engine=engine, persist=False, max_new_tokens=new_tokens, ignore_eos=True)
     try:
         chat.send(text)
-        gen = chat.last_generation
+        gen = chat.last_stats
         return (len(gen.token_ids) if gen else 0), chat.last_stats.ttft_s if chat.last_stats else None
     finally:
         chat.close()

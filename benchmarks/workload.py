@@ -70,10 +70,11 @@ class Point:
 
 
 def template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template, tokenized the way
-    :class:`chatkv.Chat` does (template to text, then tokenize without special tokens)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of ``messages`` under the model's chat template, exactly as a
+    session makes them (:func:`chatkv.models.encode_chat`, what ``Engine.encode_chat`` calls)."""
+    from chatkv.models import encode_chat
+
+    return encode_chat(tokenizer, messages, generation_prompt)
 
 
 def bin_of(n_tokens: int, bins: dict[str, int]) -> str | None:
