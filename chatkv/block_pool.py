@@ -16,6 +16,7 @@ serve the wrong KV.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -27,6 +28,8 @@ import torch
 
 from chatkv.errors import OutOfBlocksError
 from chatkv.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 #: When set (``CHATKV_CHECK_OWNER=1``, as the test suite does), a pool bound to an
 #: engine's loop (see :meth:`BlockPool.bind_owner`) asserts on every access that it
@@ -193,6 +196,7 @@ class BlockPool:
             block, _ = self._cached.popitem(last=False)  # least recently released
             self._forget_hash(block)
             self.evictions += 1
+            log.debug("evicted cached block %d from the prefix cache (%d evictions)", block, self.evictions)
         else:
             raise OutOfBlocksError("the KV block pool is exhausted")
         assert self.ref_counts[block] == 0

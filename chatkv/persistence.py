@@ -32,6 +32,7 @@ from chatkv.storage import (
     ChunkInfo,
     ChunkMeta,
     CorruptChunkError,
+    MissingChunkError,
     NewChunk,
     SaveResult,
     Store,
@@ -273,7 +274,8 @@ class KVPersister:
         except CorruptChunkError as exc:
             settle()
             info.warning = f"session {kv.session_id!r}: {exc}; re-prefilling from that point"
-            kv.lost = f"chunk {exc.chunk_hash[:12]} was quarantined"
+            kv.lost = (f"stored KV chunk {exc.chunk_hash[:12]} is missing" if isinstance(exc, MissingChunkError)
+                       else f"stored KV chunk {exc.chunk_hash[:12]} failed verification and was quarantined")
             full = False
         finally:
             if pending is not None:

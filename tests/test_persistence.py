@@ -116,6 +116,7 @@ def test_another_models_cache_is_never_used():
     assert len(qwen.messages) == 3  # history intact
     qwen.send("again")
     assert qwen.last_stats.reused_tokens == 0  # re-prefilled from history
+    assert "another model" in qwen.last_stats.not_reused  # the turn says why
     assert len(qwen.messages) == 5
     qwen.close()
 
@@ -153,6 +154,8 @@ def test_corrupt_or_missing_chunk_costs_a_reprefill_not_the_conversation(damage,
     assert again.messages == history
     again.send("third")
     assert again.last_stats.token_ids == ref.last_stats.token_ids
+    why = again.last_stats.not_reused
+    assert why and ("missing" if damage == "delete" else "quarantined") in why, why
     if damage != "delete":
         assert list((chatkv_home / "quarantine").iterdir())
     again.close()
