@@ -84,7 +84,11 @@ class Chat:
                  **sampling: Any) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
+        if system is not None and not isinstance(system, str):
+            raise InvalidMessageError("the system prompt must be a string")
         self.engine = engine_for(model, engine, engine_config, tiers, kv_quant)
+        if system is not None:
+            history.check_text(system, self._max_chars, "the system prompt")
         #: What the last turn cost, produced and reused (see :class:`~chatkv.stats.TurnStats`).
         self.last_stats: TurnStats | None = None
         self._closed = False
@@ -201,6 +205,8 @@ class Chat:
             the result does not fit the window. The history is then unchanged.
         """
         new = [Message.parse(m) for m in messages]
+        for m in new:
+            history.check_text(m.content, self._max_chars, f"a {m.role} message")
         session, stats = self._session, TurnStats(started_at=time.perf_counter())
         with self._turn_lock():
             base = history.appended(session.messages, new)
@@ -301,11 +307,14 @@ class Chat:
         session.begin_turn()
         return _Held(session)
 
-    @staticmethod
-    def _text(text: object) -> str:
-        if not isinstance(text, str) or not text.strip():
-            raise InvalidMessageError("a message must be a non-empty string")
-        return text
+    @property
+    def _max_chars(self) -> int:
+        from chatkv.models import max_token_chars
+
+        return self.engine.max_context * max_token_chars(self.engine.tokenizer)
+
+    def _text(self, text: object) -> str:
+        return history.check_text(text, self._max_chars)
 
     def __enter__(self) -> "Chat":
         return self

@@ -8,8 +8,30 @@ the KV of whatever prefix stays the same.
 
 from __future__ import annotations
 
-from chatkv.errors import EditError, InvalidMessageError
+from chatkv.errors import ContextWindowExceededError, EditError, InvalidMessageError
 from chatkv.session import Message
+
+
+def check_text(text: object, max_chars: int, what: str = "a message") -> str:
+    """``text`` if it is a valid message text, before any tokenizing or side effect.
+
+    Raises:
+        InvalidMessageError: not a string, empty, or not encodable as UTF-8
+            (a lone surrogate).
+        ContextWindowExceededError: longer than ``max_chars`` characters, more
+            than the context window can hold whatever it tokenizes to (checked
+            by counting, so rejecting a huge text costs nothing).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidMessageError(f"{what} must be a non-empty string")
+    if len(text) > max_chars:
+        raise ContextWindowExceededError(
+            f"{what} of {len(text)} characters cannot fit the model's context window")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{what} is not valid Unicode text ({exc.reason} at {exc.start})") from None
+    return text
 
 
 def for_regenerate(msgs: list[Message]) -> list[Message]:

@@ -22,6 +22,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -305,10 +307,60 @@ def load_model(
     return loaded
 
 
+def _control_strings(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer turns into added (special or control) tokens."""
+    cached = getattr(tokenizer, "_chatkv_control_strings", None)
+    if cached is None:
+        cached = sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
+        try:
+            tokenizer._chatkv_control_strings = cached
+        except AttributeError:  # a tokenizer that refuses attributes: recompute each time
+            pass
+    return cached
+
+
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` under ``tokenizer``'s chat template: the template
     is rendered to text, then tokenized without extra special tokens. This is
     how a session's token ids are made, so benchmarks and references that use
-    it see exactly the ids a session's KV covers."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    it see exactly the ids a session's KV covers.
+
+    Only the template makes control tokens: a message whose text contains a
+    control-token string (``<|im_start|>system``, say) has that text encoded as
+    plain text, so no user can forge a turn. Such messages are tokenized apart
+    from the template around them (the rest is unchanged).
+    """
+    controls = _control_strings(tokenizer)
+    if not any(c in m["content"] for m in messages for c in controls):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    salt = secrets.token_hex(8)
+    marks = {f"chatkvmessage{salt}n{i}": m["content"] for i, m in enumerate(messages)}
+    masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    text = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(marks) + ")", text):
+        if not piece:
+            continue
+        content = marks.get(piece)
+        if content is None:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        else:
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest text one token of ``tokenizer`` stands for (at least 1): a text
+    of more than ``max_context * max_token_chars`` characters cannot fit the window,
+    whatever it tokenizes to."""
+    cached = getattr(tokenizer, "_chatkv_max_token_chars", None)
+    if cached is None:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
+        cached = max(1, longest)
+        try:
+            tokenizer._chatkv_max_token_chars = cached
+        except AttributeError:
+            pass
+    return cached

@@ -221,10 +221,16 @@ class Session:
         ids = self._ids(history, generate=True)
         try:
             self._bring_up(ids, stats)
+            failed = False
             try:
                 yield from self.engine.generate(self.kv.seq, params, stats)
+            except (KeyboardInterrupt, GeneratorExit):
+                raise  # the user stopped it: what was generated is kept, marked partial
+            except BaseException:
+                failed = True  # the turn failed (pool, queue, a bug): the history stays as it was
+                raise
             finally:
-                if stats.token_ids:
+                if stats.token_ids and not failed:
                     partial = stats.finish_reason == "interrupted"
                     self.messages = list(history) + [Message("assistant", stats.text, partial=partial)]
                 self.persist(stats)

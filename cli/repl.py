@@ -88,6 +88,10 @@ def make_reader(home: Path, plain: bool) -> LineReader:
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive and not plain:
         return prompt_toolkit_reader(home / HISTORY_FILE)
+    # Bytes that are not UTF-8 (a binary file piped in) become U+FFFD instead of a crash.
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="replace")
     return plain_reader(show_prompt=sys.stdin.isatty())
 
 
