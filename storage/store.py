@@ -345,6 +345,41 @@ class Store:
             row.updated_at = utcnow()
             return int(n or 0)
 
+    def rewrite_history(
+        self, session_id: str, keep: int,
+        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool]],
+    ) -> list[MessageRecord]:
+        """Keep the first ``keep`` messages and replace the rest with ``messages``
+        (``(role, content, token_span, partial)``), in ONE transaction: a crash or
+        a full disk leaves either the old history or the new one, never a mix or
+        none (rewind, edit, a new system prompt, reset).
+
+        Raises:
+            SessionNotFoundError, SessionLockedError, StorageWriteError.
+        """
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        for _, _, span, _ in messages:
+            if span is not None and not (0 <= span[0] <= span[1]):
+                raise ValueError(f"bad token span {span}")
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            leases.check_not_locked(s, session_id, self.owner)
+            s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
+            s.flush()
+            last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
+            idx = 0 if last is None else last + 1
+            now = utcnow()
+            out = []
+            for role, content, span, partial in messages:
+                s.add(MessageRow(session_id=row.id, idx=idx, role=role, content=content,
+                                 tok_start=span[0] if span else None, tok_end=span[1] if span else None,
+                                 created_at=now, flags=MESSAGE_PARTIAL if partial else 0))
+                out.append(MessageRecord(idx, role, content, span, now, partial))
+                idx += 1
+            row.updated_at = row.last_used_at = now
+            return out
+
     # ------------------------------------------------------------------ chunks
 
     def write_chunk(

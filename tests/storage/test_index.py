@@ -8,6 +8,7 @@ from chatkv.storage import (
     SCHEMA_VERSION,
     SchemaVersionError,
     SessionNotFoundError,
+    StorageWriteError,
     Store,
     pack_token_ids,
 )
@@ -155,3 +156,29 @@ def test_delete_session_removes_rows_and_unshared_files(store: Store, home: Path
     with store.engine.connect() as c:
         assert c.execute(text("SELECT count(*) FROM chatkv_messages WHERE session_id='a'")).scalar() == 0
     assert store.load_kv("b").token_ids == shared + [2000]
+
+
+def test_rewrite_history_replaces_the_tail_in_one_transaction(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.open_session("s")
+    for role, content in [("system", "sys"), ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")]:
+        store.append_message("s", role, content)
+    out = store.rewrite_history("s", 3, [("user", "q2 edited", (5, 9), False), ("assistant", "a2'", None, True)])
+    assert [(m.index, m.content) for m in out] == [(3, "q2 edited"), (4, "a2'")]
+    got = store.messages("s")
+    assert [m.content for m in got] == ["sys", "q1", "a1", "q2 edited", "a2'"]
+    assert got[3].token_span == (5, 9) and got[4].partial
+    with pytest.raises(ValueError):
+        store.rewrite_history("s", -1, [])
+
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    def full(self, *a, **k):
+        raise OperationalError("INSERT", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(Session, "flush", full)
+    with pytest.raises(StorageWriteError):
+        store.rewrite_history("s", 1, [("user", "lost", None, False)])
+    monkeypatch.undo()
+    assert [m.content for m in store.messages("s")] == ["sys", "q1", "a1", "q2 edited", "a2'"]  # all or nothing
+    assert [m.content for m in store.rewrite_history("s", 0, [])] == [] and store.messages("s") == []
