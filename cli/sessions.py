@@ -1,4 +1,9 @@
-"""``chatkv sessions``: list, show, remove, export, import and garbage-collect stored sessions."""
+"""``chatkv sessions``: list, show, remove, export, import and garbage-collect stored sessions.
+
+Every command works on the index through :mod:`chatkv.storage` alone: none
+imports torch, except ``export`` and ``import`` of a session that has KV
+(its tensors are read or written then).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from .store import open_store
 if TYPE_CHECKING:
     from chatkv.storage import SessionInfo
 
-#: Names a session archive may contain (what ``Store.export_session`` writes).
+#: Names a session archive may contain (what :func:`chatkv.storage.export_session` writes).
 BUNDLE_MEMBERS = ("history.json", "kv.safetensors")
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -67,7 +72,7 @@ def show(session_id: str, as_json: bool) -> None:
             "session": session_dict(info),
             "disk_bytes": dataclasses.asdict(size),
             "messages": [{"index": m.index, "role": m.role, "content": m.content,
-                          "partial": bool(getattr(m, "partial", False)), "created_at": m.created_at}
+                          "partial": m.partial, "created_at": m.created_at}
                          for m in messages],
         })
         return
@@ -85,7 +90,7 @@ def show(session_id: str, as_json: bool) -> None:
     if messages:
         click.echo()
     for m in messages:
-        mark = " [interrupted]" if getattr(m, "partial", False) else ""
+        mark = " [interrupted]" if m.partial else ""
         click.echo(f"{m.role}: {printable(m.content)}{mark}")
 
 
@@ -121,15 +126,17 @@ def rm(session_ids: tuple[str, ...]) -> None:
                    "directory. Default: ./<ID>.tar")
 def export(session_id: str, output: Path | None) -> None:
     """Export a session (history and verified KV) to a portable archive or bundle directory."""
+    from chatkv.storage import export_session
+
     output = output or Path(f"{session_id}.tar")
     with open_store() as store:
         store.get_session(session_id)  # unknown id -> exit 3 before touching the file system
         if not output.name.endswith(ARCHIVE_SUFFIXES):
-            store.export_session(session_id, output)
+            export_session(store, session_id, output)
             click.echo(f"exported {session_id} to {output}/")
             return
         with tempfile.TemporaryDirectory(prefix="chatkv-export-") as tmp:
-            bundle = store.export_session(session_id, Path(tmp) / "bundle")
+            bundle = export_session(store, session_id, Path(tmp) / "bundle")
             _write_archive(bundle, output)
     click.echo(f"exported {session_id} to {output} ({human_bytes(output.stat().st_size)})")
 
@@ -159,9 +166,11 @@ def import_(source: Path, session_id: str | None, overwrite: bool) -> None:
     written. Exit code 4 for a corrupt or foreign file, 5 if the id exists
     (without --overwrite).
     """
+    from chatkv.storage import import_session
+
     with open_store() as store, tempfile.TemporaryDirectory(prefix="chatkv-import-") as tmp:
         bundle = source if source.is_dir() or source.suffix == ".json" else _extract_archive(source, Path(tmp))
-        info = store.import_session(bundle, session_id=session_id, overwrite=overwrite)
+        info = import_session(store, bundle, session_id=session_id, overwrite=overwrite)
     click.echo(f"imported {info.id}: {info.n_turns} turns, {info.n_cached} cached tokens")
 
 
@@ -224,11 +233,16 @@ def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, 
     budget (least recently used first), remove orphan and temporary files, dangling
     and unreferenced chunks. Histories are never deleted, and sessions another
     process is using are left alone, so it is safe while apps run."""
-    from chatkv.tiers import TierConfig, gc_store
+    from chatkv.storage import DiskPolicy, enforce_disk_policy
 
-    config = TierConfig(kv_ttl_s=_parse_duration(ttl), disk_budget_bytes=_parse_bytes(disk_budget))
+    try:
+        policy = DiskPolicy(kv_ttl_s=_parse_duration(ttl), disk_budget_bytes=_parse_bytes(disk_budget))
+    except ValueError as exc:
+        raise CliError(str(exc), ExitCode.USAGE) from None
+    if grace_s < 0:
+        raise CliError(f"--grace must be >= 0, not {grace_s:g}", ExitCode.USAGE)
     with open_store() as store:
-        report = gc_store(store, config, dry_run=dry_run, grace_s=grace_s)
+        report = enforce_disk_policy(store, policy, dry_run=dry_run, grace_s=grace_s)
     if as_json:
         print_json(dataclasses.asdict(report))
         return

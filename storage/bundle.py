@@ -12,21 +12,20 @@
 ``kv.safetensors``: every chunk's tensors as ``"<i>/<name>"`` (``i`` the
 chunk's position, zero-padded) including ``"<i>/__token_ids__"``. Import
 re-verifies each chunk's checksum and chained hash, and the file's sha256.
+
+Both directions go through :class:`~.store.Store`'s public methods; torch
+(and ``safetensors.torch``) is imported only when a bundle carries KV.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save as st_save
-
-from . import leases
 from .chunkfile import (
     FORMAT_VERSION,
     TOKEN_IDS_KEY,
@@ -34,13 +33,12 @@ from .chunkfile import (
     ensure_dir,
     meta_from_file,
     payload_checksum,
+    read_safetensors_metadata,
 )
 from .errors import BundleError, CorruptChunkError, SessionExistsError
 from .hashing import ChunkHash, chunk_hash, is_chunk_hash, pack_token_ids
 from .ids import validate_session_id
-from .records import ChunkInfo, NewChunk, SessionInfo
-from .schema import MESSAGE_PARTIAL, ChunkRow, MessageRow, SessionRow, utcnow
-from .store import chunk_row
+from .records import NewChunk, NewMessage, SessionInfo, SessionKV
 
 if TYPE_CHECKING:
     from .store import Store
@@ -51,12 +49,17 @@ HISTORY_FILE = "history.json"
 KV_FILE = "kv.safetensors"
 
 
-def export_session(store: "Store", session_id: str, dest: Path) -> Path:
-    """Write the session's history and verified KV under ``dest`` (created); return ``dest``.
+def export_session(store: "Store", session_id: str, dest: str | os.PathLike[str]) -> Path:
+    """Write ``dest/history.json`` and, if the session has KV, ``dest/kv.safetensors``; return ``dest``.
 
-    If a chunk turns out corrupt it is quarantined and the export retries with
-    the shorter valid prefix, so history is always exported.
+    ``dest`` is created. Every chunk is read and verified first; if one turns
+    out corrupt it is quarantined and the export retries with the shorter
+    valid prefix, so the history is always exported.
+
+    Raises:
+        SessionNotFoundError, StorageWriteError (``dest`` not writable).
     """
+    dest = Path(dest)
     for _ in range(8):
         try:
             kv = store.load_kv(session_id)
@@ -67,20 +70,7 @@ def export_session(store: "Store", session_id: str, dest: Path) -> Path:
         raise BundleError(f"session {session_id!r} kept failing verification during export")
     info = store.get_session(session_id)
     ensure_dir(dest)
-    chunks: list[dict[str, Any]] = []
-    tensors = {}
-    for i, c in enumerate(kv.chunks):
-        with safe_open(str(store.path_of(c.info)), framework="pt") as f:
-            md = dict(f.metadata() or {})
-        chunks.append({"hash": c.info.hash, "parent": c.info.parent, "n_tokens": c.info.n_tokens, "metadata": md})
-        for name, t in c.tensors.items():
-            tensors[f"{i:06d}/{name}"] = t
-        tensors[f"{i:06d}/{TOKEN_IDS_KEY}"] = torch.tensor(c.token_ids, dtype=torch.int32)
-    kv_sha = None
-    if chunks:
-        data = st_save(tensors, metadata={"format": "chatkv.session_kv_bundle", "version": str(BUNDLE_VERSION)})
-        atomic_write(dest / KV_FILE, data)
-        kv_sha = hashlib.sha256(data).hexdigest()
+    chunks, kv_sha = _write_kv(store, kv, dest / KV_FILE) if kv.chunks else ([], None)
     doc = {
         "format": BUNDLE_FORMAT,
         "version": BUNDLE_VERSION,
@@ -98,6 +88,27 @@ def export_session(store: "Store", session_id: str, dest: Path) -> Path:
     }
     atomic_write(dest / HISTORY_FILE, json.dumps(doc, ensure_ascii=False, indent=1).encode())
     return dest
+
+
+def _write_kv(store: "Store", kv: SessionKV, path: Path) -> tuple[list[dict[str, Any]], str]:
+    """Write every chunk's tensors into one safetensors file; return the chunks' entries and its sha256."""
+    import torch
+    from safetensors.torch import save as st_save
+
+    chunks: list[dict[str, Any]] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for i, c in enumerate(kv.chunks):
+        try:
+            md = read_safetensors_metadata(store.path_of(c.info))
+        except (OSError, ValueError) as e:  # it verified a moment ago: removed or rewritten since
+            raise BundleError(f"chunk {c.info.hash[:16]} changed during the export: {e}") from e
+        chunks.append({"hash": c.info.hash, "parent": c.info.parent, "n_tokens": c.info.n_tokens, "metadata": md})
+        for name, t in c.tensors.items():
+            tensors[f"{i:06d}/{name}"] = t
+        tensors[f"{i:06d}/{TOKEN_IDS_KEY}"] = torch.tensor(c.token_ids, dtype=torch.int32)
+    data = st_save(tensors, metadata={"format": "chatkv.session_kv_bundle", "version": str(BUNDLE_VERSION)})
+    atomic_write(path, data)
+    return chunks, hashlib.sha256(data).hexdigest()
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -121,15 +132,26 @@ def _load_doc(src: Path) -> dict[str, Any]:
     for m in doc["messages"]:
         _need(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str),
               "a message lacks a string role or content")
+        span = m.get("token_span")
+        _need(span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(t, int) for t in span)
+                               and 0 <= span[0] <= span[1]),
+              "a message's token_span is not null or [start, end] with 0 <= start <= end")
     return doc
 
 
-def import_session(store: "Store", src: Path, *, session_id: str | None, overwrite: bool) -> SessionInfo:
-    """Validate a bundle fully, write its chunk files (dedup), then create the session in one transaction.
+def import_session(store: "Store", src: str | os.PathLike[str], *, session_id: str | None = None,
+                   overwrite: bool = False) -> SessionInfo:
+    """Import a bundle made by :func:`export_session`; return the new session's facts.
+
+    The bundle is validated fully first (format, checksums, chained hashes,
+    sha256); then its chunk files are written (deduplicated) and the session,
+    its messages and KV links commit in one transaction
+    (:meth:`Store.create_session`).
 
     Args:
+        src: the bundle directory, or its ``history.json``.
         session_id: import under this id instead of the bundle's.
-        overwrite: replace an existing session of that id (deleted first).
+        overwrite: replace an existing session of that id (in the same transaction).
 
     Raises:
         BundleError: malformed, corrupt or unsupported input (nothing is written).
@@ -155,11 +177,11 @@ def import_session(store: "Store", src: Path, *, session_id: str | None, overwri
         except OSError as e:
             raise BundleError(f"cannot read the bundle's KV file {kv_path}: {e}") from e
         _need(hashlib.sha256(raw).hexdigest() == doc.get("kv_sha256"), f"{kv_path.name} does not match its sha256")
-        try:
-            from safetensors.torch import load as st_load
+        from safetensors.torch import load as st_load
 
+        try:
             all_t = st_load(raw)
-        except Exception as e:
+        except Exception as e:  # safetensors raises its own error types for any malformed input
             raise BundleError(f"{kv_path.name} is not a readable safetensors file: {e}") from e
         parent: ChunkHash | None = None
         off = 0
@@ -193,41 +215,20 @@ def import_session(store: "Store", src: Path, *, session_id: str | None, overwri
     elif ids:
         raise BundleError("cached_token_ids given but no chunks")
 
-    if store.has_session(sid):
-        if not overwrite:
-            raise SessionExistsError(f"session {sid!r} exists; pass overwrite=True or another session_id")
-        store.delete_session(sid)
-    # Chunk files first (durable), then session + messages + links in one transaction.
-    infos: list[ChunkInfo] = []
-    parent = None
-    off = 0
-    for nc in new_chunks:
-        info = store.write_chunk(ids[off: off + nc.n_tokens], nc.tensors, nc.meta, parent=parent)
-        infos.append(info)
-        parent = info.hash
-        off += nc.n_tokens
+    if not overwrite and store.has_session(sid):
+        raise SessionExistsError(f"session {sid!r} exists; pass overwrite=True or another session_id")
     s_doc = doc["session"]
-    now = utcnow()
-    with store._tx() as s:
-        leases.check_not_locked(s, sid, store.owner)
-        row = SessionRow(id=sid, fingerprint=fp if infos else None, system_prompt=s_doc.get("system_prompt"),
-                         created_at=_parse_time(s_doc.get("created_at")) or now, updated_at=now,
-                         last_used_at=now, n_cached=0, cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
-        s.add(row)
-        s.flush()  # the session row before its messages (no ORM relationships to order them)
-        for n, m in enumerate(doc["messages"]):
-            span = m.get("token_span")
-            s.add(MessageRow(session_id=sid, idx=n, role=m["role"], content=m["content"],
-                             tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                             created_at=_parse_time(m.get("created_at")) or now,
-                             flags=MESSAGE_PARTIAL if m.get("partial") else 0))
-        for info in infos:
-            if s.get(ChunkRow, info.hash) is None:
-                s.add(chunk_row(info))
-        s.flush()
-        if infos:
-            store._set_links(s, row, infos, ids, fp)
-    return store.get_session(sid)
+    messages = [NewMessage(role=m["role"], content=m["content"],
+                           token_span=(m["token_span"][0], m["token_span"][1]) if m.get("token_span") else None,
+                           partial=bool(m.get("partial")), created_at=_parse_time(m.get("created_at")))
+                for m in doc["messages"]]
+    try:
+        return store.create_session(
+            sid, fingerprint=fp if new_chunks else None, system_prompt=s_doc.get("system_prompt"),
+            created_at=_parse_time(s_doc.get("created_at")), messages=messages, token_ids=ids,
+            chunks=new_chunks, replace=overwrite)
+    except SessionExistsError:
+        raise SessionExistsError(f"session {sid!r} exists; pass overwrite=True or another session_id") from None
 
 
 def _parse_time(v: object) -> datetime | None:

@@ -19,25 +19,33 @@ metadata (readable by any safetensors tool):
 ``checksum``              ``xxh3_128:<hex>`` (or ``sha256:<hex>``) over names, dtypes, shapes and bytes
 ``x.<key>``               caller extras
 ========================  ==================================================
+
+Only the functions that build or read tensors import torch (and
+``safetensors.torch``), on first call; the rest of this module, and the index
+side of storage that uses it, loads without them.
 """
 
 from __future__ import annotations
 
 import errno
-from typing import Any
 import hashlib
+import json
+import logging
 import os
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptChunkError, MissingChunkError, StorageWriteError
 from .hashing import ChunkHash, chunk_hash
 from .paths import TMP_PREFIX
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
 
 FORMAT = "chatkv.kv_chunk"
 FORMAT_VERSION = "1"
@@ -96,6 +104,8 @@ def payload_checksum(tensors: Mapping[str, torch.Tensor], algorithm: str | None 
     """Return (``<algorithm>:<hex>``, payload bytes) over tensors in name order
     (``algorithm`` is ``xxh3_128`` or ``sha256``; default :data:`CHECKSUM_ALGORITHM`).
     No side effects."""
+    import torch
+
     algorithm = algorithm or CHECKSUM_ALGORITHM
     h = _hasher(algorithm)
     total = 0
@@ -130,6 +140,9 @@ def encode_chunk(
     meta: ChunkMeta,
 ) -> bytes:
     """Serialize a chunk to safetensors bytes, metadata and checksum included. No side effects."""
+    import torch
+    from safetensors.torch import save as st_save
+
     payload = _prepare(tensors)
     payload[TOKEN_IDS_KEY] = torch.tensor(list(token_ids), dtype=torch.int32)
     checksum, nbytes = payload_checksum(payload)
@@ -210,8 +223,10 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.close(fd)
         try:
             os.unlink(tmp)
-        except OSError:
+        except FileNotFoundError:  # the failure came before the temp file existed
             pass
+        except OSError as cleanup:
+            log.warning("could not remove temp file %s after a failed write: %s", tmp, cleanup)
         why = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system",
                errno.EDQUOT: "quota exceeded", errno.EACCES: "permission denied"}.get(e.errno or 0, "")
         raise StorageWriteError(
@@ -219,11 +234,52 @@ def atomic_write(path: Path, data: bytes) -> None:
         ) from e
 
 
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+def _st_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+
+
+def _read_header(buf: Any, size: int) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Parse a safetensors header from ``buf`` (bytes-like, ``size`` bytes long).
+
+    Returns (tensor entries, string metadata, offset of the data section).
+    Raises ValueError on a malformed header.
+    """
+    if size < 8:
+        raise ValueError(f"{size} bytes is too short for a safetensors file")
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if n <= 0 or 8 + n > size:
+        raise ValueError(f"header length {n} does not fit the {size}-byte file")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("metadata must map strings to strings")
+    return header, dict(meta), 8 + n
+
+
+def read_safetensors_metadata(path: Path) -> dict[str, str]:
+    """The string metadata of a safetensors file, read from its header alone.
+
+    Reads only the header (no tensor bytes) and needs no torch. Pure read.
+
+    Raises:
+        ValueError: a malformed header.
+        OSError: the file cannot be read (``FileNotFoundError`` if missing).
+    """
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        buf = head + fh.read(n) if 0 < n <= size - 8 else head  # _read_header rejects a bad length
+    _, meta, _ = _read_header(buf, size)
+    return meta
 
 
 def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -238,8 +294,9 @@ def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         ValueError: a malformed header, unknown dtype, or offsets outside the file.
         OSError: the file cannot be opened.
     """
-    import json
     import mmap
+
+    import torch
 
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -248,19 +305,11 @@ def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         # Copy-on-write: reading shares the page cache; a stray write would touch a
         # private page, never the file (and never fault).
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-    n = int.from_bytes(mm[:8], "little")
-    if n <= 0 or 8 + n > size:
-        raise ValueError(f"header length {n} does not fit the {size}-byte file")
-    header = json.loads(bytes(mm[8 : 8 + n]))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError("metadata must map strings to strings")
-    base = 8 + n
+    header, meta, base = _read_header(mm, size)
+    st_dtypes = _st_dtypes()
     tensors: dict[str, torch.Tensor] = {}
     for name, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = st_dtypes.get(info.get("dtype")) if isinstance(info, dict) else None
         shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
         if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
             raise ValueError(f"bad header entry for tensor {name!r}")
@@ -276,7 +325,7 @@ def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
             continue
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin)
         tensors[name] = flat.view(dtype).reshape(shape)
-    return dict(meta), tensors
+    return meta, tensors
 
 
 def read_chunk_file(
@@ -299,6 +348,8 @@ def read_chunk_file(
         MissingChunkError: no file.
         CorruptChunkError: any other check failed (the caller quarantines).
     """
+    import torch
+
     try:
         size = path.stat().st_size
     except FileNotFoundError:

@@ -1,6 +1,7 @@
-"""Garbage collection primitives: reconcile the index with the files under ``kv/``.
+"""Garbage collection and the disk tier's policy, on top of :class:`~.store.Store`'s public methods.
 
-Finds, and unless ``dry_run`` removes:
+:func:`collect_garbage` reconciles the index with the files under ``kv/``.
+It finds, and unless ``dry_run`` removes:
 
 - temp files (``.tmp-*``) older than the grace period: a writer that died;
 - orphan files: a chunk file with no index row, older than the grace period
@@ -11,23 +12,33 @@ Finds, and unless ``dry_run`` removes:
 - unreferenced rows: a chunk no session uses.
 
 Quarantined files are reported by :meth:`Store.disk_usage` and never deleted here.
+
+:func:`enforce_disk_policy` applies a :class:`DiskPolicy` (a TTL on idle
+sessions' KV, a budget for chunk bytes) and then collects garbage. Histories
+are never deleted, only KV.
+
+Neither imports torch: ``chatkv sessions gc`` runs on the index alone.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
-
+from .errors import SessionLockedError
 from .hashing import ChunkHash, is_chunk_hash
 from .paths import CHUNK_SUFFIX, TMP_PREFIX
-from .records import GcReport
-from .schema import ChunkRow, SessionChunkRow
+from .records import GcReport, SessionInfo
 
 if TYPE_CHECKING:
     from .store import Store
+
+log = logging.getLogger(__name__)
 
 
 def _size(p: Path) -> int:
@@ -44,13 +55,20 @@ def _old(p: Path, cutoff: float) -> bool:
         return False
 
 
-def collect(store: "Store", *, dry_run: bool, grace_s: float) -> GcReport:
-    """Scan ``store`` and return a :class:`GcReport`; remove what it lists unless ``dry_run``."""
+def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 600.0) -> GcReport:
+    """Scan ``store`` and return a :class:`GcReport`; remove what it lists unless ``dry_run``.
+
+    Files younger than ``grace_s`` seconds are spared (a save may be in
+    flight). Dangling rows are quarantined (see :meth:`Store.quarantine_chunk`);
+    unreferenced rows and their files go through
+    :meth:`Store.drop_unreferenced_chunks`, which re-checks under the write
+    lock, so a chunk a concurrent save starts using again is kept. A dry run
+    changes nothing.
+    """
     report = GcReport(dry_run=dry_run)
     cutoff = time.time() - grace_s
-    with store._tx(write=False) as s:
-        rows = {h: rel for h, rel in s.execute(select(ChunkRow.hash, ChunkRow.relpath))}
-        referenced = set(s.scalars(select(SessionChunkRow.chunk_hash).distinct()))
+    usage = store.chunk_usage()
+    rows = {u.hash: u.relpath for u in usage}
     if store.kv_dir.exists():
         for p in sorted(store.kv_dir.glob("*/*")):
             if p.name.startswith(TMP_PREFIX):
@@ -60,11 +78,11 @@ def collect(store: "Store", *, dry_run: bool, grace_s: float) -> GcReport:
                 h = p.name[: -len(CHUNK_SUFFIX)]
                 if (not is_chunk_hash(h) or h not in rows) and _old(p, cutoff):
                     report.orphan_files.append(p)
-    for h, rel in rows.items():
-        if not (store.home / rel).exists():
-            report.dangling_chunks.append(ChunkHash(h))
-        elif h not in referenced:
-            report.unreferenced_chunks.append(ChunkHash(h))
+    for u in usage:
+        if not (store.home / u.relpath).exists():
+            report.dangling_chunks.append(ChunkHash(u.hash))
+        elif u.n_refs == 0:
+            report.unreferenced_chunks.append(ChunkHash(u.hash))
     report.reclaimable_bytes = (sum(_size(p) for p in report.orphan_files + report.temp_files)
                                 + sum(_size(store.home / rows[h]) for h in report.unreferenced_chunks))
     if dry_run:
@@ -74,16 +92,146 @@ def collect(store: "Store", *, dry_run: bool, grace_s: float) -> GcReport:
         size = _size(p)
         try:
             p.unlink()
-        except OSError:
+        except FileNotFoundError:
             continue
+        except OSError as e:
+            log.warning("gc: could not remove %s: %s", p, e)
+            continue
+        log.debug("gc: removed %s file %s (%d bytes)",
+                  "temp" if p.name.startswith(TMP_PREFIX) else "orphan", p, size)
         report.files_removed += 1
         report.bytes_reclaimed += size
     for h in report.dangling_chunks:
         store.quarantine_chunk(h, "file missing (gc)")
     if report.unreferenced_chunks:
-        with store._tx() as s:
-            dead = store._drop_unreferenced(s, set(report.unreferenced_chunks))
-        removed = store._unlink_if_unindexed(dead)
+        removed = store.drop_unreferenced_chunks(report.unreferenced_chunks)
+        log.debug("gc: dropped %d unreferenced chunks (%d files, %d bytes)",
+                  len(report.unreferenced_chunks), removed.files_removed, removed.bytes_removed)
         report.files_removed += removed.files_removed
         report.bytes_reclaimed += removed.bytes_removed
+    return report
+
+
+@dataclass(frozen=True)
+class DiskPolicy:
+    """What the disk tier keeps. ``None`` means no limit.
+
+    Attributes:
+        kv_ttl_s: a session's KV is dropped once it has been idle this many
+            seconds (its history stays; the next turn re-prefills).
+        disk_budget_bytes: chunk bytes the index may hold; over it, the least
+            recently used sessions' KV is dropped until it fits.
+
+    Raises:
+        ValueError: a negative value.
+    """
+
+    kv_ttl_s: float | None = None
+    disk_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_ttl_s is not None and not self.kv_ttl_s >= 0:
+            raise ValueError(f"kv_ttl_s must be >= 0 or None, not {self.kv_ttl_s!r}")
+        if self.disk_budget_bytes is not None and not self.disk_budget_bytes >= 0:
+            raise ValueError(f"disk_budget_bytes must be >= 0 or None, not {self.disk_budget_bytes!r}")
+
+
+@dataclass
+class DiskGcReport:
+    """What :func:`enforce_disk_policy` did (or, with ``dry_run``, would do).
+
+    ``expired_*`` are sessions whose KV passed the TTL, ``over_budget_*`` those
+    dropped to fit the budget; their bytes are the bytes freed (in a dry run,
+    the bytes only those sessions use). The file and chunk counts are
+    :func:`collect_garbage`'s; ``bytes_reclaimed`` adds everything up.
+    ``disk_bytes_*`` are the chunk files' bytes on disk before and after.
+    """
+
+    dry_run: bool
+    expired_sessions: list[str] = field(default_factory=list)
+    expired_bytes: int = 0
+    over_budget_sessions: list[str] = field(default_factory=list)
+    over_budget_bytes: int = 0
+    orphan_files: int = 0
+    temp_files: int = 0
+    dangling_chunks: int = 0
+    unreferenced_chunks: int = 0
+    files_removed: int = 0
+    bytes_reclaimed: int = 0
+    disk_bytes_before: int = 0
+    disk_bytes_after: int = 0
+    seconds: float = 0.0
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def enforce_disk_policy(
+    store: "Store", policy: DiskPolicy | None = None, *, dry_run: bool = False, grace_s: float = 600.0,
+    now: datetime | None = None, skip: Iterable[str] = (),
+) -> DiskGcReport:
+    """Enforce the disk tier, then collect garbage; return what was (or would be) freed.
+
+    In order: drop the KV of sessions idle for ``policy.kv_ttl_s`` or longer
+    (as of ``now``, default the current time); then, while the index's chunk
+    bytes exceed ``policy.disk_budget_bytes``, drop the KV of the least
+    recently used remaining session; then :func:`collect_garbage` with
+    ``grace_s``. Dropping KV is :meth:`Store.invalidate_kv`: histories are
+    never deleted. Sessions in ``skip``, sessions without KV, and sessions
+    another live owner holds a lease on are left alone, so this is safe while
+    apps use the store. With ``dry_run`` nothing changes and the report says
+    what would go.
+    """
+    policy = policy or DiskPolicy()
+    started = time.perf_counter()
+    now = _aware(now or datetime.now(timezone.utc))
+    skipped = set(skip)
+    before = store.disk_usage().file_bytes
+    report = DiskGcReport(dry_run=dry_run)
+
+    def drop(info: SessionInfo) -> int | None:
+        """Bytes freed by dropping this session's KV; None if another owner is using it."""
+        if store.lease_holder(info.id) is not None:
+            return None
+        if dry_run:
+            return store.session_bytes(info.id).unique
+        try:
+            return store.invalidate_kv(info.id).bytes_removed
+        except SessionLockedError:  # leased between the check and the write
+            return None
+
+    sessions = [s for s in store.list_sessions() if s.id not in skipped and s.n_cached]
+    if policy.kv_ttl_s is not None:
+        for info in sessions:
+            if (now - _aware(info.last_used_at)).total_seconds() >= policy.kv_ttl_s:
+                got = drop(info)
+                if got is not None:
+                    log.debug("disk policy: expired the KV of %r (%d bytes)", info.id, got)
+                    report.expired_sessions.append(info.id)
+                    report.expired_bytes += got
+        expired = set(report.expired_sessions)
+        sessions = [s for s in sessions if s.id not in expired]
+    if policy.disk_budget_bytes is not None:
+        usage = store.disk_usage().indexed_bytes - (report.expired_bytes if dry_run else 0)
+        for info in sorted(sessions, key=lambda s: _aware(s.last_used_at)):  # least recently used first
+            if usage <= policy.disk_budget_bytes:
+                break
+            got = drop(info)
+            if got is not None:
+                log.debug("disk policy: dropped the KV of %r to fit the budget (%d bytes)", info.id, got)
+                report.over_budget_sessions.append(info.id)
+                report.over_budget_bytes += got
+                usage -= got
+    gc = collect_garbage(store, dry_run=dry_run, grace_s=grace_s)
+    report.orphan_files = len(gc.orphan_files)
+    report.temp_files = len(gc.temp_files)
+    report.dangling_chunks = len(gc.dangling_chunks)
+    report.unreferenced_chunks = len(gc.unreferenced_chunks)
+    report.files_removed = gc.files_removed
+    report.bytes_reclaimed = ((gc.reclaimable_bytes if dry_run else gc.bytes_reclaimed)
+                              + report.expired_bytes + report.over_budget_bytes)
+    report.disk_bytes_before = before
+    report.disk_bytes_after = store.disk_usage().file_bytes
+    report.seconds = time.perf_counter() - started
     return report

@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .chunkfile import ChunkMeta
 from .hashing import ChunkHash
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,20 @@ class MessageRecord:
 
 
 @dataclass(frozen=True)
+class NewMessage:
+    """A message to store as part of :meth:`Store.create_session`; its index is its position.
+
+    ``created_at`` defaults to the time of the commit.
+    """
+
+    role: str
+    content: str
+    token_span: tuple[int, int] | None = None
+    partial: bool = False
+    created_at: datetime | None = None
+
+
+@dataclass(frozen=True)
 class ChunkInfo:
     """An indexed (or just written) chunk file. ``written`` is bytes this call wrote (0 on dedup)."""
 
@@ -59,6 +75,16 @@ class ChunkInfo:
     dtype: str
     block_size: int
     written: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkUsage:
+    """One indexed chunk and how many session links point at it (0: unreferenced)."""
+
+    hash: ChunkHash
+    relpath: str
+    bytes: int
+    n_refs: int
 
 
 @dataclass(frozen=True)
@@ -134,7 +160,7 @@ class DiskUsage:
 
 @dataclass
 class GcReport:
-    """What :meth:`Store.gc` found, and (unless ``dry_run``) removed."""
+    """What :func:`~chatkv.storage.gc.collect_garbage` found, and (unless ``dry_run``) removed."""
 
     dry_run: bool
     orphan_files: list[Path] = field(default_factory=list)

@@ -1,27 +1,36 @@
 """``Store``: the one object the engine and the CLI use for durable state.
 
-Ordering rule (DESIGN invariant 4): chunk files are written and fsynced
-before the transaction that names them commits; files that stop being
-referenced are unlinked only after the commit, under the index's write lock
-and only if still unreferenced. A crash therefore leaves the old or the new
-index state, plus at worst orphan or temp files that :meth:`Store.gc` removes.
+Ordering rule: chunk files are written and fsynced before the transaction
+that names them commits; files that stop being referenced are unlinked only
+after the commit, under the index's write lock and only if still
+unreferenced. A crash therefore leaves the old or the new index state, plus
+at worst orphan or temp files that :func:`~chatkv.storage.gc.collect_garbage`
+removes. (``docs/architecture.md`` places this among the project's other
+invariants.)
 
 Deleting a session, invalidating its KV or replacing its chunk list removes
 chunk files whose last reference went away at once (not left for gc).
+
+This module is the index side: it never imports torch. Tensors pass through
+:meth:`Store.write_chunk`, :meth:`Store.read_chunk`, :meth:`Store.iter_kv`
+and :meth:`Store.load_kv`, whose chunk-file code (:mod:`.chunkfile`) imports
+torch on first use. :mod:`.bundle` and :mod:`.gc` build on this module's
+public methods; it imports neither.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,12 +43,14 @@ from .chunkfile import (
     encode_chunk,
     ensure_dir,
     read_chunk_file,
+    read_safetensors_metadata,
 )
 from .db import make_engine
 from .errors import (
     CorruptChunkError,
     FingerprintMismatchError,
     MissingChunkError,
+    SessionExistsError,
     SessionNotFoundError,
     StorageError,
     StorageWriteError,
@@ -57,11 +68,12 @@ from .paths import (
 )
 from .records import (
     ChunkInfo,
+    ChunkUsage,
     DiskUsage,
-    GcReport,
     LoadedChunk,
     MessageRecord,
     NewChunk,
+    NewMessage,
     RemoveResult,
     SaveResult,
     SessionBytes,
@@ -69,6 +81,14 @@ from .records import (
     SessionKV,
 )
 from .schema import MESSAGE_PARTIAL, ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: A chunk file dropped from the index: (hash, path relative to the home).
+_Dead = tuple[str, str]
 
 
 def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
@@ -81,11 +101,43 @@ def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
 
 
 def chunk_row(info: ChunkInfo) -> ChunkRow:
+    """A new index row for ``info`` (not added to any transaction). No side effects."""
     return ChunkRow(
         hash=info.hash, parent=info.parent, relpath=info.relpath, n_tokens=info.n_tokens,
         bytes=info.bytes, fingerprint=info.fingerprint, kv_format=info.kv_format, quant=info.quant,
         dtype=info.dtype, block_size=info.block_size, created_at=utcnow(),
     )
+
+
+@dataclass
+class _Prepared:
+    """Chunks checked and written by :meth:`Store._write_chunks`, waiting for their commit."""
+
+    infos: list[ChunkInfo] = field(default_factory=list)
+    payload: dict[str, tuple[list[int], NewChunk]] = field(default_factory=dict)
+    written: int = 0
+    files_written: int = 0
+
+
+def _count_of(model: Any, *where: Any) -> Any:
+    return (select(func.count()).select_from(model).where(model.session_id == SessionRow.id, *where)
+            .correlate(SessionRow).scalar_subquery())
+
+
+#: One row per session, in :class:`SessionInfo` field order. The counts are
+#: correlated subqueries (index lookups), so listing N sessions is one
+#: statement, and the token-id blob is never read.
+_INFO_COLUMNS = (
+    SessionRow.id, SessionRow.fingerprint, SessionRow.system_prompt, SessionRow.created_at,
+    SessionRow.updated_at, SessionRow.last_used_at, SessionRow.n_cached,
+    _count_of(MessageRow), _count_of(MessageRow, MessageRow.role == "user"), _count_of(SessionChunkRow),
+    SessionRow.kv_bytes, SessionRow.tier, SessionRow.kv_generation,
+)
+
+
+def _session_infos(s: Session, *where: Any) -> list[SessionInfo]:
+    q = select(*_INFO_COLUMNS).where(*where).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
+    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:]) for r in s.execute(q)]
 
 
 class Store:
@@ -98,6 +150,9 @@ class Store:
             ``sqlite:///<home>/index.db``.
         owner: lease owner id; default ``host:pid:random`` (unique per Store).
         lease_ttl_s: how long a lease lives without renewal.
+        clock: the current time (aware UTC) by which this Store judges whether
+            another owner's lease has expired; default the system clock. Tests
+            pass a fixed or advanced clock instead of sleeping past an expiry.
 
     Side effects: creates the home, the index tables, and runs pending schema
     migrations. Thread-safe (one SQLAlchemy session per call).
@@ -114,6 +169,7 @@ class Store:
         *,
         owner: str | None = None,
         lease_ttl_s: float = 30.0,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.home = Path(home).expanduser() if home is not None else default_home()
         ensure_dir(self.home)
@@ -122,6 +178,7 @@ class Store:
         self.db_url = db_url or default_db_url(self.home)
         self.owner = owner or leases.make_owner_id()
         self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
         self.engine = make_engine(self.db_url)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._leases: dict[str, leases.Lease] = {}
@@ -153,8 +210,8 @@ class Store:
         for lease in held:
             try:
                 lease.release()
-            except Exception:
-                pass
+            except Exception as e:  # the row then lapses at its expiry; closing must go on
+                log.warning("could not release the lease on session %r while closing: %s", lease.session_id, e)
         self.engine.dispose()
 
     def __enter__(self) -> "Store":
@@ -163,24 +220,20 @@ class Store:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
+    def _check_lease(self, s: Session, session_id: str) -> None:
+        leases.check_not_locked(s, session_id, self.owner, self.clock())
+
     def _get(self, s: Session, session_id: str) -> SessionRow:
         row = s.get(SessionRow, validate_session_id(session_id))
         if row is None:
             raise SessionNotFoundError(f"no session {session_id!r}")
         return row
 
-    def _session_info(self, s: Session, row: SessionRow) -> SessionInfo:
-        n_msgs = s.scalar(select(func.count()).select_from(MessageRow).where(MessageRow.session_id == row.id)) or 0
-        n_turns = s.scalar(select(func.count()).select_from(MessageRow).where(
-            MessageRow.session_id == row.id, MessageRow.role == "user")) or 0
-        n_chunks = s.scalar(select(func.count()).select_from(SessionChunkRow).where(
-            SessionChunkRow.session_id == row.id)) or 0
-        return SessionInfo(
-            id=row.id, fingerprint=row.fingerprint, system_prompt=row.system_prompt,
-            created_at=row.created_at, updated_at=row.updated_at, last_used_at=row.last_used_at,
-            n_cached=row.n_cached, n_messages=n_msgs, n_turns=n_turns, n_chunks=n_chunks,
-            kv_bytes=row.kv_bytes, tier=row.tier, kv_generation=row.kv_generation,
-        )
+    def _session_info(self, s: Session, session_id: str) -> SessionInfo:
+        found = _session_infos(s, SessionRow.id == validate_session_id(session_id))
+        if not found:
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        return found[0]
 
     def path_of(self, info: ChunkInfo | str) -> Path:
         """Absolute path of a chunk file, from its info or hash."""
@@ -213,7 +266,7 @@ class Store:
                     if row is None:
                         if not create:
                             raise SessionNotFoundError(f"no session {session_id!r}")
-                        leases.check_not_locked(s, session_id, self.owner)
+                        self._check_lease(s, session_id)
                         row = SessionRow(id=session_id, fingerprint=fingerprint, system_prompt=system_prompt,
                                          created_at=now, updated_at=now, last_used_at=now, n_cached=0,
                                          cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
@@ -221,16 +274,17 @@ class Store:
                         s.flush()
                     else:
                         row.last_used_at = now
-                    return self._session_info(s, row)
+                    s.flush()
+                    return self._session_info(s, session_id)
             except StorageWriteError:
                 if attempt:  # a concurrent create won the insert; read it back
                     raise
         raise AssertionError("unreachable")
 
     def get_session(self, session_id: str) -> SessionInfo:
-        """Facts about one session. Raises :class:`SessionNotFoundError`."""
+        """Facts about one session, read in one query. Raises :class:`SessionNotFoundError`."""
         with self._tx(write=False) as s:
-            return self._session_info(s, self._get(s, session_id))
+            return self._session_info(s, session_id)
 
     def has_session(self, session_id: str) -> bool:
         """True if the session exists."""
@@ -238,10 +292,9 @@ class Store:
             return s.get(SessionRow, validate_session_id(session_id)) is not None
 
     def list_sessions(self) -> list[SessionInfo]:
-        """All sessions, most recently used first."""
+        """All sessions, most recently used first, read in one query (no per-session round trips)."""
         with self._tx(write=False) as s:
-            rows = s.scalars(select(SessionRow).order_by(SessionRow.last_used_at.desc(), SessionRow.id)).all()
-            return [self._session_info(s, r) for r in rows]
+            return _session_infos(s)
 
     def touch(self, session_id: str, *, tier: str | None = None) -> None:
         """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage)."""
@@ -262,7 +315,7 @@ class Store:
         """
         with self._tx() as s:
             row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
+            self._check_lease(s, session_id)
             hashes = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)))
             s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == row.id))
             s.execute(delete(MessageRow).where(MessageRow.session_id == row.id))
@@ -273,7 +326,7 @@ class Store:
         with self._lock:
             lease = self._leases.pop(session_id, None)
         if lease is not None:
-            lease._released.set()
+            lease.detach()  # its row went with the session
         return self._unlink_if_unindexed(dead)
 
     # ------------------------------------------------------------------ history
@@ -309,7 +362,7 @@ class Store:
                 raise ValueError(f"bad token span {span}")
         with self._tx() as s:
             row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
+            self._check_lease(s, session_id)
             last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
             idx = 0 if last is None else last + 1
             now = utcnow()
@@ -339,7 +392,7 @@ class Store:
         """
         with self._tx() as s:
             row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
+            self._check_lease(s, session_id)
             res = s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
             n = getattr(res, "rowcount", 0)
             row.updated_at = utcnow()
@@ -364,7 +417,7 @@ class Store:
                 raise ValueError(f"bad token span {span}")
         with self._tx() as s:
             row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
+            self._check_lease(s, session_id)
             s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
             s.flush()
             last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
@@ -408,7 +461,7 @@ class Store:
                 os.utime(path)
                 return ChunkInfo(h, parent, rel, len(ids), st.st_size, meta.fingerprint, meta.kv_format,
                                  meta.quant, meta.dtype, int(meta.block_size), 0)
-        except FileNotFoundError:
+        except FileNotFoundError:  # not on disk yet: write it below
             pass
         data = encode_chunk(h, parent, ids, tensors, meta)
         atomic_write(path, data)
@@ -452,16 +505,22 @@ class Store:
         sessions whose KV shrank.
         """
         src = self.path_of(h)
+        where = "no file"
         if src.exists():
             ensure_dir(self.quarantine_dir)
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+            dest = self.quarantine_dir / f"{h}.{stamp}{CHUNK_SUFFIX}"
             try:
-                os.replace(src, self.quarantine_dir / f"{h}.{stamp}{CHUNK_SUFFIX}")
-            except OSError:
+                os.replace(src, dest)
+                where = f"moved to {dest}"
+            except OSError as e:
+                where = f"could not move it ({e}); deleted"
                 try:
                     src.unlink()
-                except OSError:
+                except FileNotFoundError:
                     pass
+                except OSError as e2:
+                    where = f"could neither move nor delete it ({e}; {e2})"
         with self._tx() as s:
             users = s.execute(select(SessionChunkRow.session_id, func.min(SessionChunkRow.position))
                               .where(SessionChunkRow.chunk_hash == h).group_by(SessionChunkRow.session_id)).all()
@@ -485,7 +544,10 @@ class Store:
             s.flush()
             dead = self._drop_unreferenced(s, dropped)
         self._unlink_if_unindexed([d for d in dead if d[0] != h])
-        return tuple(sorted(u[0] for u in users))
+        cut = tuple(sorted(u[0] for u in users))
+        log.warning("quarantined KV chunk %s (%s): %s; sessions cut back to the chunks before it: %s",
+                    h[:16], reason or "no reason given", where, ", ".join(cut) or "none")
+        return cut
 
     # ------------------------------------------------------------------ KV
 
@@ -510,11 +572,91 @@ class Store:
         """
         ids = [int(t) for t in token_ids]
         validate_session_id(session_id)
-        infos: list[ChunkInfo] = []
-        payload: dict[str, tuple[list[int], NewChunk]] = {}
+        prep = self._write_chunks(ids, fingerprint, chunks)
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            self._check_lease(s, session_id)
+            rewritten = self._index_chunks(s, prep)
+            s.flush()
+            dead = self._set_links(s, row, prep.infos, ids, fingerprint)
+            gen = row.kv_generation
+        removed = self._unlink_if_unindexed(dead)
+        return SaveResult(session_id, gen, len(ids), prep.infos, prep.written + rewritten, prep.files_written,
+                          removed.files_removed, removed.bytes_removed)
+
+    def create_session(
+        self, session_id: str, *, fingerprint: str | None = None, system_prompt: str | None = None,
+        created_at: datetime | None = None, messages: Sequence[NewMessage] = (),
+        token_ids: Sequence[int] = (), chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk] = (),
+        replace: bool = False,
+    ) -> SessionInfo:
+        """Create a session with its whole history and KV in one transaction (what an import needs).
+
+        ``messages`` get indexes 0, 1, ... in order. ``chunks`` cover exactly
+        ``token_ids``, as in :meth:`save_kv` (with ``fingerprint``); their
+        files are written first (deduplicated), then the session row, its
+        messages, chunk rows and links commit together: a failure leaves no
+        part of the session. With ``replace``, an existing session of that id
+        is replaced within the same transaction (this Store's lease on it, if
+        any, stays), and its chunk files no other session uses are removed
+        after the commit.
+
+        Raises:
+            SessionExistsError: the id exists and ``replace`` is false (checked
+                before any file is written, and again in the transaction).
+            ValueError: the chunks do not chain over ``token_ids``, fingerprints
+                differ, or a token span is malformed.
+            InvalidSessionIdError, SessionLockedError, MissingChunkError, StorageWriteError.
+        """
+        validate_session_id(session_id)
+        ids = [int(t) for t in token_ids]
+        for m in messages:
+            if m.token_span is not None and not (0 <= m.token_span[0] <= m.token_span[1]):
+                raise ValueError(f"bad token span {m.token_span}")
+        if chunks and fingerprint is None:
+            raise ValueError("chunks need the fingerprint they were made under")
+        if not replace and self.has_session(session_id):
+            raise SessionExistsError(f"session {session_id!r} exists")
+        prep = self._write_chunks(ids, fingerprint or "", chunks)
+        now = utcnow()
+        with self._tx() as s:
+            self._check_lease(s, session_id)
+            old = s.get(SessionRow, session_id)
+            if old is not None:
+                if not replace:
+                    raise SessionExistsError(f"session {session_id!r} exists")
+                old_hashes = set(s.scalars(select(SessionChunkRow.chunk_hash)
+                                           .where(SessionChunkRow.session_id == session_id)))
+                s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == session_id))
+                s.execute(delete(MessageRow).where(MessageRow.session_id == session_id))
+                s.delete(old)
+                s.flush()
+            else:
+                old_hashes = set()
+            row = SessionRow(id=session_id, fingerprint=fingerprint, system_prompt=system_prompt,
+                             created_at=created_at or now, updated_at=now, last_used_at=now, n_cached=0,
+                             cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
+            s.add(row)
+            s.flush()  # the session row before its messages (no ORM relationships to order them)
+            for n, m in enumerate(messages):
+                span = m.token_span
+                s.add(MessageRow(session_id=session_id, idx=n, role=m.role, content=m.content,
+                                 tok_start=span[0] if span else None, tok_end=span[1] if span else None,
+                                 created_at=m.created_at or now, flags=MESSAGE_PARTIAL if m.partial else 0))
+            self._index_chunks(s, prep)
+            s.flush()
+            if prep.infos:
+                self._set_links(s, row, prep.infos, ids, fingerprint)
+            dead = self._drop_unreferenced(s, old_hashes - {i.hash for i in prep.infos})
+        self._unlink_if_unindexed(dead)
+        return self.get_session(session_id)
+
+    def _write_chunks(self, ids: list[int], fingerprint: str,
+                      chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk]) -> _Prepared:
+        """Check that ``chunks`` chain over ``ids`` and write the new ones' files (before any commit)."""
+        prep = _Prepared()
         parent: ChunkHash | None = None
         off = 0
-        written = files_written = 0
         for c in chunks:
             if isinstance(c, NewChunk):
                 if c.meta.fingerprint != fingerprint:
@@ -523,9 +665,9 @@ class Store:
                 if len(piece) != c.n_tokens or c.n_tokens <= 0:
                     raise ValueError(f"chunk of {c.n_tokens} tokens does not fit at offset {off} of {len(ids)}")
                 info = self.write_chunk(piece, c.tensors, c.meta, parent=parent)
-                payload[info.hash] = (piece, c)
-                written += info.written
-                files_written += info.written > 0
+                prep.payload[info.hash] = (piece, c)
+                prep.written += info.written
+                prep.files_written += info.written > 0
             else:
                 info = c if isinstance(c, ChunkInfo) else self._chunk_info(c)
                 piece = ids[off: off + info.n_tokens]
@@ -535,31 +677,33 @@ class Store:
                     raise ValueError(f"chunk {info.hash[:12]} does not match token_ids[{off}:{off + info.n_tokens}]")
             if info.parent != parent:
                 raise ValueError(f"chunk {info.hash[:12]} does not chain from {parent}")
-            infos.append(info)
+            prep.infos.append(info)
             parent = info.hash
             off += info.n_tokens
         if off != len(ids):
             raise ValueError(f"chunks cover {off} tokens but token_ids has {len(ids)}")
+        return prep
 
-        with self._tx() as s:
-            row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
-            for info in infos:
-                if s.get(ChunkRow, info.hash) is None:
-                    if not self.path_of(info).exists():  # unlinked meanwhile by another session's cleanup
-                        if info.hash not in payload:
-                            raise MissingChunkError(info.hash, "file vanished before the commit")
-                        piece, c = payload[info.hash]
-                        data = encode_chunk(info.hash, info.parent, piece, c.tensors, c.meta)
-                        atomic_write(self.path_of(info), data)
-                        written += len(data)
-                    s.add(chunk_row(info))
-            s.flush()
-            dead = self._set_links(s, row, infos, ids, fingerprint)
-            gen = row.kv_generation
-        removed = self._unlink_if_unindexed(dead)
-        return SaveResult(session_id, gen, len(ids), infos, written, files_written,
-                          removed.files_removed, removed.bytes_removed)
+    def _index_chunks(self, s: Session, prep: _Prepared) -> int:
+        """Add rows for ``prep``'s chunks not indexed yet; return bytes of files rewritten.
+
+        A file written by :meth:`_write_chunks` may have been unlinked since
+        by another session's cleanup (it had no row yet); it is written again
+        from its payload, inside the write lock, so the commit never names a
+        missing file.
+        """
+        rewritten = 0
+        for info in prep.infos:
+            if s.get(ChunkRow, info.hash) is None:
+                if not self.path_of(info).exists():
+                    if info.hash not in prep.payload:
+                        raise MissingChunkError(info.hash, "file vanished before the commit")
+                    piece, c = prep.payload[info.hash]
+                    data = encode_chunk(info.hash, info.parent, piece, c.tensors, c.meta)
+                    atomic_write(self.path_of(info), data)
+                    rewritten += len(data)
+                s.add(chunk_row(info))
+        return rewritten
 
     def _chunk_info(self, h: str) -> ChunkInfo:
         with self._tx(write=False) as s:
@@ -569,18 +713,17 @@ class Store:
         # Written by write_chunk but not committed yet: its file's metadata says the rest.
         path = self.path_of(h)
         try:
-            with safe_open(str(path), framework="pt") as f:
-                md = f.metadata() or {}
+            md = read_safetensors_metadata(path)
             return ChunkInfo(ChunkHash(h), ChunkHash(md["parent"]) if md.get("parent") else None, chunk_relpath(ChunkHash(h)),
                              int(md["n_tokens"]), path.stat().st_size, md["fingerprint"], md["kv_format"],
                              md["quant"], md["dtype"], int(md["block_size"]))
         except FileNotFoundError:
             raise MissingChunkError(h, "no such chunk in the index or on disk; write it first") from None
-        except Exception as e:
+        except (OSError, ValueError, KeyError) as e:
             raise CorruptChunkError(h, f"unreadable metadata ({e})") from e
 
     def _set_links(self, s: Session, row: SessionRow, infos: Sequence[ChunkInfo], ids: Sequence[int],
-                   fingerprint: str | None) -> list[tuple[str, str]]:
+                   fingerprint: str | None) -> list[_Dead]:
         old = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)))
         s.execute(delete(SessionChunkRow).where(SessionChunkRow.session_id == row.id))
         s.add_all(SessionChunkRow(session_id=row.id, position=i, chunk_hash=info.hash) for i, info in enumerate(infos))
@@ -594,7 +737,7 @@ class Store:
         s.flush()
         return self._drop_unreferenced(s, old - {i.hash for i in infos})
 
-    def _drop_unreferenced(self, s: Session, hashes: set[str]) -> list[tuple[str, str]]:
+    def _drop_unreferenced(self, s: Session, hashes: set[str]) -> list[_Dead]:
         """Delete rows of ``hashes`` that no session references; return their (hash, relpath)."""
         if not hashes:
             return []
@@ -604,7 +747,7 @@ class Store:
             s.execute(delete(ChunkRow).where(ChunkRow.hash.in_([d[0] for d in dead])))
         return dead
 
-    def _unlink_if_unindexed(self, dead: Sequence[tuple[str, str]]) -> RemoveResult:
+    def _unlink_if_unindexed(self, dead: Sequence[_Dead]) -> RemoveResult:
         """Unlink files of dropped chunks, under the write lock, unless re-indexed meanwhile."""
         if not dead:
             return RemoveResult(0, 0)
@@ -619,13 +762,49 @@ class Store:
                     try:
                         size = p.stat().st_size
                         p.unlink()
-                    except OSError:
+                    except FileNotFoundError:
                         continue
+                    except OSError as e:
+                        log.warning("could not remove unreferenced chunk file %s (gc will retry): %s", p, e)
+                        continue
+                    log.debug("removed unreferenced chunk file %s (%d bytes)", p, size)
                     files += 1
                     nbytes += size
-        except StorageError:
-            pass  # the commit that dropped them stands; gc reclaims the files later
+        except StorageError as e:  # the commit that dropped them stands; gc reclaims the files later
+            log.warning("could not remove %d unreferenced chunk files now (gc will): %s", len(dead), e)
         return RemoveResult(files, nbytes)
+
+    # ------------------------------------------------------------------ chunk index (for gc)
+
+    def chunk_usage(self) -> list[ChunkUsage]:
+        """Every indexed chunk with its number of session links, read in one query, by hash.
+
+        Index facts only (no file access). ``n_refs == 0`` marks a chunk no
+        session uses; :meth:`drop_unreferenced_chunks` removes those.
+        """
+        refs = (select(func.count()).select_from(SessionChunkRow)
+                .where(SessionChunkRow.chunk_hash == ChunkRow.hash).correlate(ChunkRow).scalar_subquery())
+        with self._tx(write=False) as s:
+            rows = s.execute(select(ChunkRow.hash, ChunkRow.relpath, ChunkRow.bytes, refs).order_by(ChunkRow.hash))
+            return [ChunkUsage(ChunkHash(h), rel, int(b), int(n or 0)) for h, rel, b, n in rows]
+
+    def drop_unreferenced_chunks(self, hashes: Iterable[str]) -> RemoveResult:
+        """Delete the index rows of those ``hashes`` that no session references, then their files.
+
+        A hash some session uses (again) is left alone, as is one not indexed.
+        Rows go in one transaction; files are unlinked after the commit, under
+        the write lock, unless a save re-indexed them meanwhile (as every
+        removal in this module). Returns what was removed from disk.
+
+        Raises:
+            StorageWriteError: the index transaction failed (nothing changed).
+        """
+        wanted = {str(h) for h in hashes}
+        if not wanted:
+            return RemoveResult(0, 0)
+        with self._tx() as s:
+            dead = self._drop_unreferenced(s, wanted)
+        return self._unlink_if_unindexed(dead)
 
     def kv_chunks(self, session_id: str) -> list[ChunkInfo]:
         """The session's ordered chunk list (index facts only; no file access)."""
@@ -683,7 +862,7 @@ class Store:
         """
         with self._tx() as s:
             row = self._get(s, session_id)
-            leases.check_not_locked(s, session_id, self.owner)
+            self._check_lease(s, session_id)
             dead = self._set_links(s, row, [], [], None)
             row.fingerprint = None
         return self._unlink_if_unindexed(dead)
@@ -715,13 +894,19 @@ class Store:
     # ------------------------------------------------------------------ leases
 
     def acquire_lease(self, session_id: str, *, timeout_s: float = 0.0, ttl_s: float | None = None,
-                      auto_renew: bool = True) -> leases.Lease:
+                      auto_renew: bool = True, on_wait: Callable[[str], None] | None = None,
+                      on_renew: Callable[[leases.Lease], None] | None = None) -> leases.Lease:
         """Take the session's lease for this Store's owner, waiting up to ``timeout_s``.
 
         Other owners' writes to the session then fail with
         :class:`SessionLockedError`, as does their ``acquire_lease``. An expired
-        lease, or one whose owner process is dead on this host, is taken over.
-        :meth:`close` releases it.
+        lease (by this Store's ``clock``), or one whose owner process is dead on
+        this host, is taken over. :meth:`close` releases it.
+
+        Args:
+            on_wait: called once with the holder's owner id if the lease is
+                held and the call starts waiting for it.
+            on_renew: called with the lease after each automatic renewal.
 
         Raises:
             SessionLockedError: another live owner holds it past ``timeout_s``.
@@ -729,7 +914,8 @@ class Store:
         validate_session_id(session_id)
         try:
             lease = leases.acquire(self._session, session_id, self.owner, ttl_s=ttl_s or self.lease_ttl_s,
-                                   timeout_s=timeout_s, auto_renew=auto_renew)
+                                   timeout_s=timeout_s, auto_renew=auto_renew, clock=self.clock,
+                                   on_wait=on_wait, on_renew=on_renew)
         except SQLAlchemyError as e:
             raise StorageWriteError(f"index write failed: {e}") from e
         with self._lock:
@@ -740,7 +926,7 @@ class Store:
         """The owner id of another live owner's lease on the session, or None if
         it is free (or held by this Store)."""
         with self._tx(write=False) as s:
-            row = leases.foreign_holder(s, validate_session_id(session_id), self.owner)
+            row = leases.foreign_holder(s, validate_session_id(session_id), self.owner, self.clock())
             return row.owner if row is not None else None
 
     def release_lease(self, session_id: str) -> None:
@@ -750,26 +936,7 @@ class Store:
         if lease is not None:
             lease.release()
 
-    # ------------------------------------------------------------------ bundles and gc
-
-    def export_session(self, session_id: str, dest: str | os.PathLike[str]) -> Path:
-        """Write ``dest/history.json`` and ``dest/kv.safetensors``; see :mod:`.bundle`."""
-        from .bundle import export_session
-
-        return export_session(self, session_id, Path(dest))
-
-    def import_session(self, src: str | os.PathLike[str], *, session_id: str | None = None,
-                       overwrite: bool = False) -> SessionInfo:
-        """Import a bundle made by :meth:`export_session`; see :mod:`.bundle`."""
-        from .bundle import import_session
-
-        return import_session(self, Path(src), session_id=session_id, overwrite=overwrite)
-
-    def gc(self, *, dry_run: bool = True, grace_s: float = 600.0) -> GcReport:
-        """Find (and unless ``dry_run`` remove) orphan/temp files, dangling and unreferenced rows; see :mod:`.gc`."""
-        from .gc import collect
-
-        return collect(self, dry_run=dry_run, grace_s=grace_s)
+    # ------------------------------------------------------------------ verification
 
     def verify_chunks(self) -> list[CorruptChunkError]:
         """Read and verify every indexed chunk; corrupt ones are quarantined and returned."""

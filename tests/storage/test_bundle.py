@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chatkv.storage import BundleError, SessionExistsError, Store
+from chatkv.storage import BundleError, SessionExistsError, Store, export_session, import_session
 
 from .conftest import FP, kv_files, new_chunks
 
@@ -22,12 +22,12 @@ def _session(store: Store, sid: str = "s") -> list[int]:
 
 def test_export_import_round_trip(store: Store, tmp_path: Path) -> None:
     ids = _session(store)
-    out = store.export_session("s", tmp_path / "bundle")
+    out = export_session(store, "s", tmp_path / "bundle")
     doc = json.loads((out / "history.json").read_text())
     assert doc["format"] == "chatkv.session_bundle" and len(doc["chunks"]) == 3
     assert [m["content"] for m in doc["messages"]] == ["Be terse.", "héllo ✓", "hi"]
     with Store(tmp_path / "other-home") as other:
-        info = other.import_session(out)
+        info = import_session(other, out)
         assert (info.id, info.n_cached, info.n_messages, info.fingerprint, info.system_prompt) == ("s", 150, 3, FP, "Be terse.")
         a, b = store.load_kv("s", fingerprint=FP), other.load_kv("s", fingerprint=FP)
         assert a.token_ids == b.token_ids == ids
@@ -37,22 +37,22 @@ def test_export_import_round_trip(store: Store, tmp_path: Path) -> None:
                [(m.role, m.content, m.token_span) for m in store.messages("s")]
     # into the same home under a new id: chunks are shared, no new files
     n = len(kv_files(store.home))
-    store.import_session(out, session_id="s-copy")
+    import_session(store, out, session_id="s-copy")
     assert len(kv_files(store.home)) == n and store.load_kv("s-copy").token_ids == ids
     with pytest.raises(SessionExistsError):
-        store.import_session(out)
+        import_session(store, out)
     store.append_message("s", "user", "extra")
-    store.import_session(out, overwrite=True)
+    import_session(store, out, overwrite=True)
     assert store.get_session("s").n_messages == 3
 
 
 def test_export_without_kv(store: Store, tmp_path: Path) -> None:
     store.open_session("h")
     store.append_message("h", "user", "only text")
-    out = store.export_session("h", tmp_path / "b")
+    out = export_session(store, "h", tmp_path / "b")
     assert not (out / "kv.safetensors").exists()
     with Store(tmp_path / "h2") as other:
-        assert other.import_session(out).n_messages == 1
+        assert import_session(other, out).n_messages == 1
 
 
 def _rewrite(path: Path, fn) -> None:
@@ -76,11 +76,11 @@ def _rewrite(path: Path, fn) -> None:
 )
 def test_corrupt_bundles_are_refused_and_write_nothing(store: Store, tmp_path: Path, damage, words: str) -> None:
     _session(store)
-    out = store.export_session("s", tmp_path / "bundle")
+    out = export_session(store, "s", tmp_path / "bundle")
     damage(out)
     with Store(tmp_path / "fresh") as other:
         with pytest.raises(BundleError, match=words):
-            other.import_session(out)
+            import_session(other, out)
         assert other.list_sessions() == [] and kv_files(other.home) == []
 
 
@@ -90,10 +90,35 @@ def test_tensor_tampering_is_caught_by_the_chunk_checksum(store: Store, tmp_path
     from safetensors.torch import load_file, save_file
 
     _session(store)
-    out = store.export_session("s", tmp_path / "bundle")
+    out = export_session(store, "s", tmp_path / "bundle")
     t = load_file(out / "kv.safetensors")
     t["000001/kv"][0, 0, 0, 0, 0, 0] += 1
     save_file(t, out / "kv.safetensors")
     _rewrite(out / "history.json", lambda j: j.update(kv_sha256=hashlib.sha256((out / "kv.safetensors").read_bytes()).hexdigest()))
     with pytest.raises(BundleError, match="chunk 1 fails its checksum"):
-        Store(tmp_path / "fresh").import_session(out)
+        import_session(Store(tmp_path / "fresh"), out)
+
+
+def test_overwrite_replaces_in_one_step_and_removes_the_old_unshared_chunks(store: Store, tmp_path: Path) -> None:
+    ids = _session(store)
+    out = export_session(store, "s", tmp_path / "bundle")
+    other_ids = list(range(1000, 1100))
+    store.save_kv("s", token_ids=other_ids, fingerprint=FP, chunks=new_chunks(other_ids))
+    old_files = set(kv_files(store.home))
+    lease = store.acquire_lease("s", auto_renew=False)
+    info = import_session(store, out, overwrite=True)
+    assert (info.n_cached, info.n_messages) == (len(ids), 3) and store.load_kv("s").token_ids == ids
+    assert not old_files & set(kv_files(store.home))  # the replaced KV's files are gone
+    assert not lease.released and store.lease_holder("s") is None  # our own lease survives the replace
+    with Store(store.home) as b:
+        assert b.lease_holder("s") == store.owner
+
+
+def test_a_bad_token_span_is_a_bundle_error(store: Store, tmp_path: Path) -> None:
+    _session(store)
+    out = export_session(store, "s", tmp_path / "bundle")
+    _rewrite(out / "history.json", lambda j: j["messages"][1].update(token_span=[9, 3]))
+    with Store(tmp_path / "fresh") as other:
+        with pytest.raises(BundleError, match="token_span"):
+            import_session(other, out)
+        assert other.list_sessions() == []

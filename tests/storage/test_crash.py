@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chatkv.storage import Store
+from chatkv.storage import Store, collect_garbage
 
 from .conftest import CHUNK, FP, kv_files, kv_for, new_chunks
 
@@ -60,7 +60,7 @@ def _check(home: Path) -> int:
                 assert torch.equal(c.tensors["kv"], kv_for(c.token_ids)["kv"])
             assert [c.info.n_tokens for c in kv.chunks] == [len(kv.token_ids[a:a + CHUNK]) for a in range(0, len(kv.token_ids), CHUNK)]
         assert st.verify_chunks() == []
-        st.gc(dry_run=False, grace_s=0)
+        collect_garbage(st, dry_run=False, grace_s=0)
         assert not any(p.name.startswith(".tmp-") for p in (home / "kv").rglob("*")) if (home / "kv").exists() else True
         assert len(kv_files(home)) == st.disk_usage().n_chunks  # no orphans left, no dangling rows
         return len(msgs)

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from chatkv.storage import StorageError, StorageWriteError, Store
+from chatkv.storage import StorageError, StorageWriteError, Store, collect_garbage
 
 from .conftest import FP, kv_files, new_chunks
 
@@ -98,15 +98,17 @@ def test_unwritable_home_is_a_clear_error(tmp_path: Path) -> None:
 def test_failed_commit_leaves_new_files_as_orphans_that_gc_reclaims(
     store: Store, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import chatkv.storage.store as store_module
     from sqlalchemy.exc import OperationalError
 
     ids = _setup(store)
     n = len(kv_files(home))
 
     def fail(*a, **k):
-        raise OperationalError("UPDATE", {}, Exception("disk I/O error"))
+        raise OperationalError("INSERT", {}, Exception("disk I/O error"))
 
-    monkeypatch.setattr(store, "_set_links", fail)  # the index transaction fails after the files are durable
+    # Building the new chunks' index rows fails: the index transaction dies after the files are durable.
+    monkeypatch.setattr(store_module, "chunk_row", fail)
     longer = ids + list(range(500, 600))
     with pytest.raises(StorageWriteError, match="disk I/O error"):
         store.save_kv("s", token_ids=longer, fingerprint=FP, chunks=new_chunks(longer))
@@ -114,7 +116,7 @@ def test_failed_commit_leaves_new_files_as_orphans_that_gc_reclaims(
     assert store.load_kv("s").token_ids == ids  # old state
     assert len(kv_files(home)) > n  # files were durable before the failed commit
     extra = len(kv_files(home)) - n
-    assert store.gc(dry_run=False).files_removed == 0  # inside the grace period: maybe a save in flight
-    report = store.gc(dry_run=False, grace_s=0)
+    assert collect_garbage(store, dry_run=False).files_removed == 0  # inside the grace period: maybe a save in flight
+    report = collect_garbage(store, dry_run=False, grace_s=0)
     assert report.files_removed == extra == len(report.orphan_files)
     assert len(kv_files(home)) == n and store.verify_chunks() == []

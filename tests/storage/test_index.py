@@ -182,3 +182,29 @@ def test_rewrite_history_replaces_the_tail_in_one_transaction(store: Store, monk
     monkeypatch.undo()
     assert [m.content for m in store.messages("s")] == ["sys", "q1", "a1", "q2 edited", "a2'"]  # all or nothing
     assert [m.content for m in store.rewrite_history("s", 0, [])] == [] and store.messages("s") == []
+
+
+def test_listing_is_one_query_with_correct_counts(store: Store) -> None:
+    from sqlalchemy import event
+
+    for n in range(5):
+        sid = f"s{n}"
+        store.open_session(sid, fingerprint=FP)
+        for k in range(n):
+            store.append_message(sid, "user" if k % 2 == 0 else "assistant", f"m{k}")
+        ids = list(range(100 * n, 100 * n + 70 * n))
+        if ids:
+            store.save_kv(sid, token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    statements: list[str] = []
+    listen = lambda conn, cursor, stmt, *a: statements.append(stmt)  # noqa: E731
+    event.listen(store.engine, "before_cursor_execute", listen)
+    try:
+        infos = store.list_sessions()
+    finally:
+        event.remove(store.engine, "before_cursor_execute", listen)
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 1
+    by_id = {i.id: i for i in infos}
+    for n in range(5):
+        i = by_id[f"s{n}"]
+        assert (i.n_messages, i.n_turns, i.n_cached, i.n_chunks) == (n, (n + 1) // 2, 70 * n, -(-70 * n // 64))
+        assert store.get_session(f"s{n}") == i
