@@ -1,8 +1,13 @@
-"""kill -9 a process that saves chunks + index in a loop, at random moments, many times.
+"""kill -9 a process that saves chunks + index in a loop, at chosen moments, many times.
 
-After every kill the store must show a state that some save committed (never
-a torn one), every indexed chunk must verify, and gc must clear leftovers.
-The worker is forked from this process so that it starts in milliseconds.
+Each worker arms one trap (a point inside a save: writing a temp file,
+fsyncing it, renaming it, committing the index, unlinking a dropped file)
+to fire on its n-th call. There it tells the parent through a pipe and
+blocks; the parent then kills it with SIGKILL. So every kill lands inside
+the save at a known step, with no clock involved. After every kill the store
+must show a state that some save committed (never a torn one), every indexed
+chunk must verify, and gc must clear leftovers. The worker is forked from
+this process so that it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -10,17 +15,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import select
 import signal
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from chatkv.storage import Store, collect_garbage
+from chatkv.storage import GcReport, Store, collect_garbage
 
 from .conftest import CHUNK, FP, kv_files, kv_for, new_chunks
 
 SID = "crash-me"
+
+#: (what, where): the call a trap interrupts. os.* are patched module-wide in the
+#: worker only (it is a forked child).
+TRAPS = {
+    "write": ("chatkv.storage.chunkfile", "_write_all"),  # temp file created, no bytes yet
+    "fsync": ("os", "fsync"),  # bytes written, not durable yet (also the directory fsyncs)
+    "rename": ("os", "replace"),  # temp file complete, not renamed
+    "commit": ("sqlalchemy.orm.session", "SessionTransaction.commit"),  # index transaction not committed
+    "unlink": ("pathlib", "Path.unlink"),  # committed, dropped chunk files not removed yet
+}
 
 
 def _ids(i: int) -> list[int]:
@@ -29,12 +45,37 @@ def _ids(i: int) -> list[int]:
     return list(range(30 * (i % 8) + 10)) + [10_000 + i]
 
 
-def _worker(home: str) -> None:
+def _arm(trap: str, nth: int, signal_fd: int) -> None:
+    """Make the ``nth`` call of the trap's target signal the parent, then block until killed."""
+    import importlib
+
+    mod_name, attr = TRAPS[trap]
+    owner: object = importlib.import_module(mod_name)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    real = getattr(owner, name)
+    write = os.write
+    calls = 0
+
+    def trapped(*a, **k):
+        nonlocal calls
+        calls += 1
+        if calls == nth:
+            write(signal_fd, b"!")
+            threading.Event().wait()  # until SIGKILL
+        return real(*a, **k)
+
+    setattr(owner, name, trapped)
+
+
+def _worker(home: str, trap: str, nth: int, signal_fd: int) -> None:
     try:
         st = Store(home)
         st.acquire_lease(SID, auto_renew=False, ttl_s=60)  # a dead holder must not block the next one
         st.open_session(SID, fingerprint=FP)
         i = st.get_session(SID).n_messages
+        _arm(trap, nth, signal_fd)
         while True:
             st.append_message(SID, "user", f"m{i}")
             ids = _ids(i)
@@ -44,10 +85,11 @@ def _worker(home: str) -> None:
         os._exit(0)
 
 
-def _check(home: Path) -> int:
+def _check(home: Path) -> tuple[int, GcReport | None]:
+    """Assert the store is in a committed state; return its message count and what gc removed."""
     with Store(home) as st:
         if not st.has_session(SID):
-            return 0
+            return 0, None
         msgs = st.messages(SID)
         assert [m.content for m in msgs] == [f"m{k}" for k in range(len(msgs))]  # no gaps, no torn rows
         info = st.get_session(SID)
@@ -60,10 +102,10 @@ def _check(home: Path) -> int:
                 assert torch.equal(c.tensors["kv"], kv_for(c.token_ids)["kv"])
             assert [c.info.n_tokens for c in kv.chunks] == [len(kv.token_ids[a:a + CHUNK]) for a in range(0, len(kv.token_ids), CHUNK)]
         assert st.verify_chunks() == []
-        collect_garbage(st, dry_run=False, grace_s=0)
+        report = collect_garbage(st, dry_run=False, grace_s=0)
         assert not any(p.name.startswith(".tmp-") for p in (home / "kv").rglob("*")) if (home / "kv").exists() else True
         assert len(kv_files(home)) == st.disk_usage().n_chunks  # no orphans left, no dangling rows
-        return len(msgs)
+        return len(msgs), report
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -72,16 +114,24 @@ def test_kill_9_mid_save_never_leaves_a_torn_state(home: Path) -> None:
     rng = random.Random(20240611)
     Store(home).close()
     progress = []
-    t_end = time.monotonic() + 12
-    for _ in range(16):
-        p = ctx.Process(target=_worker, args=(str(home),), daemon=True)
+    leftovers = []
+    plan = [(trap, rng.randint(1, 12)) for _ in range(4) for trap in TRAPS]
+    rng.shuffle(plan)
+    for trap, nth in plan:
+        r, w = os.pipe()
+        p = ctx.Process(target=_worker, args=(str(home), trap, nth, w), daemon=True)
         p.start()
-        time.sleep(rng.uniform(0.05, 0.35))
+        os.close(w)  # the child's copy is the only writer: EOF means it died without firing
+        ready, _, _ = select.select([r], [], [], 120)
+        fired = os.read(r, 1) if ready else b""
+        os.close(r)
         os.kill(p.pid, signal.SIGKILL)
         p.join()
+        assert fired == b"!", f"the {trap} trap (call {nth}) never fired"
         assert p.exitcode == -signal.SIGKILL
-        progress.append(_check(home))
-        if time.monotonic() > t_end:
-            break
-    assert len(progress) >= 8
+        n, report = _check(home)
+        progress.append(n)
+        leftovers.append(report)
+    # kills really landed mid-save: a dead writer's temp file, a renamed but uncommitted file
+    assert any(r and r.temp_files for r in leftovers) and any(r and r.orphan_files for r in leftovers)
     assert progress[-1] >= 5 and progress == sorted(progress)  # workers really saved between kills; history only grows
