@@ -195,6 +195,26 @@ class Chat:
         user = Message("user", self._text(text))
         return self._generate(lambda msgs: history.for_edit(msgs, index, user), sampling)
 
+    def complete(self, messages: Iterable[dict[str, str] | Message], **sampling: Any) -> str:
+        """Reply to exactly ``messages`` (ending with a user message), making them
+        the history: the KV of the prefix they share with the current history is
+        reused, the rest is prefilled, and the stored history is rewritten where
+        it differs. What a server does with a client that sends the whole
+        conversation each turn."""
+        return "".join(self.stream_complete(messages, **sampling))
+
+    def stream_complete(self, messages: Iterable[dict[str, str] | Message], **sampling: Any) -> Iterator[str]:
+        """:meth:`complete`, streaming.
+
+        Raises:
+            InvalidMessageError: a malformed message, or the last one is not from the user.
+        """
+        new = [Message.parse(m) for m in messages]
+        for m in new:
+            history.check_text(m.content, self._max_chars, f"a {m.role} message")
+        base = history.for_complete(new)
+        return self._generate(lambda msgs: base, sampling)
+
     def append(self, messages: Iterable[dict[str, str] | Message]) -> TurnStats:
         """Add existing messages to the history without generating, computing and
         saving their KV (teacher forcing): how an app brings a stored chat into

@@ -79,3 +79,11 @@ def with_system(msgs: list[Message], system: str) -> list[Message] | None:
     else:
         out.insert(0, Message("system", system))
     return out
+
+
+def for_complete(msgs: list[Message]) -> list[Message]:
+    """``msgs`` as the history a reply answers: it must end with a user message,
+    and a system message may only come first."""
+    if not msgs or msgs[-1].role != "user":
+        raise InvalidMessageError("the messages to reply to must end with a user message")
+    return appended([], msgs)

@@ -198,3 +198,24 @@ def test_two_handles_share_one_session_and_the_lease():
     with pytest.raises(SessionBusyError, match="another engine"):
         Chat("pinned-here", engine=make_engine())
     c.close()
+
+
+def test_complete_replies_to_a_whole_conversation_reusing_what_matches(setup):
+    engine, stock = setup
+    chat = open_chat(engine)
+    chat.append(OLD[:4])
+    # The client sends the whole conversation, its last answer changed: the shared
+    # prefix's KV is reused, the rest re-prefilled, the stored history rewritten.
+    sent = [SYSTEM, *OLD[:2], OLD[2], {"role": "assistant", "content": "Six, surely."},
+            {"role": "user", "content": "Why?"}]
+    want = stock(sent)
+    reply = chat.complete(sent)
+    assert chat.last_stats.token_ids == want
+    assert chat.messages == [*sent, {"role": "assistant", "content": reply}]
+    assert chat.last_stats.reused_tokens >= tokens(engine, sent[:4], False) - 1
+    assert [m.content for m in default_store().messages("ed")] == [m["content"] for m in chat.messages]
+    for bad in ([], [OLD[1]], [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]):
+        with pytest.raises(InvalidMessageError):
+            chat.complete(bad)
+    assert len(chat.messages) == len(sent) + 1
+    chat.close()
