@@ -201,7 +201,8 @@ def enforce_disk_policy(
         except SessionLockedError:  # leased between the check and the write
             return None
 
-    sessions = [s for s in store.list_sessions() if s.id not in skipped and s.n_cached]
+    limited = policy.kv_ttl_s is not None or policy.disk_budget_bytes is not None
+    sessions = [s for s in store.list_sessions() if s.id not in skipped and s.n_cached] if limited else []
     if policy.kv_ttl_s is not None:
         for info in sessions:
             if (now - _aware(info.last_used_at)).total_seconds() >= policy.kv_ttl_s:
