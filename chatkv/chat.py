@@ -11,11 +11,11 @@ from typing import Any
 from chatkv import aio
 from chatkv.config import EngineConfig, SamplingParams, TierConfig
 from chatkv.engine import Engine, engine_for
-from chatkv.errors import InvalidMessageError, InvalidSessionIdError, SessionBusyError
+from chatkv.errors import ConfigError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.models import LoadedModel
 from chatkv.persistence import default_store
 from chatkv import history
-from chatkv.session import Message, Session
+from chatkv.session import CONTEXT_POLICIES, Message, Session
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import InvalidSessionIdError as _StorageIdError
 from chatkv.storage import Store
@@ -64,6 +64,10 @@ class Chat:
         persist: False keeps the session in this process only.
         chunk_tokens: tokens per chunk file (a multiple of the block size).
         lease_timeout_s: how long to wait for another process to release the session.
+        context_policy: when the history outgrows the window: ``"trim"`` (the
+            default) leaves the oldest whole turns after the system prompt out
+            of the window (the history keeps them); ``"error"`` raises
+            :class:`~chatkv.errors.ContextWindowExceededError`.
         tiers, kv_quant: the engine's tier policy (``kv_quant`` is shorthand for
             ``tiers.quant_scheme``). Engine-wide: they pick (or build) an engine
             with that policy; with an explicit ``engine`` they must match its own.
@@ -81,9 +85,13 @@ class Chat:
                  engine: Engine | None = None, engine_config: EngineConfig | None = None,
                  store: Store | None = None, persist: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  lease_timeout_s: float = 0.0, tiers: TierConfig | None = None, kv_quant: str | None = None,
-                 **sampling: Any) -> None:
+                 context_policy: str = "trim", **sampling: Any) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
+        if context_policy not in CONTEXT_POLICIES:
+            raise ConfigError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
+        #: What a turn does when the history outgrows the window (see :data:`chatkv.session.CONTEXT_POLICIES`).
+        self.context_policy = context_policy
         if system is not None and not isinstance(system, str):
             raise InvalidMessageError("the system prompt must be a string")
         self.engine = engine_for(model, engine, engine_config, tiers, kv_quant)
@@ -231,7 +239,7 @@ class Chat:
         with self._turn_lock():
             base = history.appended(session.messages, new)
             if base:
-                session.prefill(base, stats)
+                session.prefill(base, stats, self.context_policy)
         self.last_stats = stats
         return stats
 
@@ -257,7 +265,8 @@ class Chat:
         stats = TurnStats(started_at=started)
         with self._turn_lock():
             try:
-                yield from self._session.turn(base(list(self._session.messages)), params, stats)
+                yield from self._session.turn(base(list(self._session.messages)), params, stats,
+                                              self.context_policy)
             finally:
                 self.last_stats = stats
 
@@ -294,7 +303,9 @@ class Chat:
         """
         validate_session_id(session_id)
         self._check_open()
-        return Chat._over(self.engine.sessions.fork(self._session, session_id), self.sampling)
+        child = Chat._over(self.engine.sessions.fork(self._session, session_id), self.sampling)
+        child.context_policy = self.context_policy
+        return child
 
     @classmethod
     def _over(cls, session: Session, sampling: SamplingParams) -> "Chat":
@@ -302,6 +313,7 @@ class Chat:
         chat = cls.__new__(cls)
         chat.session_id, chat.sampling, chat.engine = session.session_id, sampling, session.engine
         chat.last_stats, chat._closed, chat._session = None, False, session
+        chat.context_policy = "trim"
         return chat
 
     def close(self) -> None:

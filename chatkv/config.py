@@ -68,6 +68,8 @@ class EngineConfig:
             every other turn in flight preempted, waits for blocks to free up
             (sessions closing, idle ones demoted) before it fails with
             :class:`~chatkv.errors.OutOfBlocksError`.
+        max_context: cap the context window below the model's (for memory, or
+            so a test can outgrow a window quickly); None is the model's own.
         tiers: the memory-tier policy (budgets, idle times, quantization) of
             the engine's sessions; None is :class:`TierConfig`'s defaults. It is
             engine-wide; :meth:`chatkv.engine.Engine.configure_tiers` changes it.
@@ -83,10 +85,13 @@ class EngineConfig:
     max_waiting: int = 1024
     block_wait_s: float = 1.0
     tiers: "TierConfig | None" = None
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
+        if self.max_context is not None and self.max_context < 2:
+            raise ConfigError(f"max_context must be at least 2 tokens, got {self.max_context}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -104,8 +104,10 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        """The longest sequence the model accepts."""
-        return self.loaded.max_context
+        """The longest sequence a turn may reach: the model's window, or
+        ``EngineConfig.max_context`` if that is smaller."""
+        cap = self.config.max_context
+        return self.loaded.max_context if cap is None else min(cap, self.loaded.max_context)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` under the model's chat template: the ids a

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from chatkv.block_pool import Alignment
 from chatkv.config import SamplingParams
-from chatkv.errors import ChatKVWarning, InvalidMessageError, InvalidSessionIdError, SessionBusyError
+from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.persistence import KVPersister, SavedKV
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import StorageError
@@ -47,15 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+#: What a turn does when the history outgrows the context window: ``error``
+#: raises ContextWindowExceededError; ``trim`` leaves the oldest whole turns
+#: after the system prompt out of the window (the history keeps them) until the
+#: turn and its reply budget fit in half the window, so the kept turns are
+#: prefilled once and then reused, as is the system prompt's KV.
+CONTEXT_POLICIES = ("error", "trim")
 
 
 @dataclass
 class Message:
-    """One message of the history. ``partial`` marks a reply cut short (Ctrl-C)."""
+    """One message of the history. ``partial`` marks a reply cut short (Ctrl-C);
+    ``outside`` one the window no longer holds (see :data:`CONTEXT_POLICIES`)."""
 
     role: str
     content: str
     partial: bool = False
+    #: Left out of the model's window by ``context_policy="trim"`` (kept in the history).
+    outside: bool = False
 
     def as_dict(self) -> dict[str, str]:
         """``{"role": ..., "content": ...}`` as chat templates expect."""
@@ -76,7 +85,7 @@ class Message:
 
 
 def _same(a: Message, b: Message) -> bool:
-    return a.role == b.role and a.content == b.content and a.partial == b.partial
+    return a.role == b.role and a.content == b.content and a.partial == b.partial and a.outside == b.outside
 
 
 def _common(a: list[Message], b: list[Message]) -> int:
@@ -181,10 +190,43 @@ class Session:
 
     # -- turns -----------------------------------------------------------------------
 
-    def _ids(self, history: list[Message], generate: bool) -> list[int]:
-        ids = self.engine.encode_chat([m.as_dict() for m in history], add_generation_prompt=generate)
-        self.engine.check_context(len(ids), generate=generate, what="the conversation")
-        return ids
+    def _ids(self, history: list[Message], generate: bool, reserve: int = 0,
+             policy: str = "error") -> tuple[list[int], list[Message], int]:
+        """The token ids the model sees for ``history`` and the history with the
+        window marked: ``(ids, history, messages newly left out)``. The one
+        context-window check, before any KV work."""
+        engine = self.engine
+        sys_n = 1 if history and history[0].role == "system" else 0
+        start = sys_n
+        while start < len(history) and history[start].outside:
+            start += 1
+
+        def encode(first: int) -> list[int]:
+            kept = history[:sys_n] + history[first:]
+            return engine.encode_chat([m.as_dict() for m in kept], add_generation_prompt=generate)
+
+        ids = encode(start)
+        limit = engine.max_context - (1 if generate else 0)
+        reserve = min(reserve, limit // 4)
+        if policy != "trim" or len(ids) + reserve <= limit:
+            engine.check_context(len(ids), generate=generate, what="the conversation")
+            return ids, history, 0
+        fits: tuple[int, list[int]] | None = None
+        for first in (i for i in range(start + 1, len(history)) if history[i].role == "user"):
+            cand = encode(first)
+            if len(cand) + reserve <= limit:
+                fits = fits or (first, cand)
+                if len(cand) + reserve <= limit // 2:  # room for several more turns before the next trim
+                    fits = (first, cand)
+                    break
+        if fits is None:
+            raise ContextWindowExceededError(
+                f"the last turn alone does not fit the context window of {engine.max_context} tokens "
+                f"with {reserve} tokens for the reply")
+        first, ids = fits
+        marked = [dataclasses.replace(m, outside=True) if sys_n <= i < first else m for i, m in enumerate(history)]
+        log.info("session %s: %d messages left the context window", self.session_id, first - start)
+        return ids, marked, first - start
 
     def _bring_up(self, ids: list[int] | None, stats: TurnStats) -> None:
         """Pin, promote (restoring from disk if needed) and align to ``ids`` (if
@@ -213,12 +255,14 @@ class Session:
             stats.not_reused = lost
         self.kv.lost = None
 
-    def turn(self, history: list[Message], params: SamplingParams, stats: TurnStats) -> Iterator[str]:
+    def turn(self, history: list[Message], params: SamplingParams, stats: TurnStats,
+             policy: str = "trim") -> Iterator[str]:
         """Run a generating turn on ``history`` (ending with the user message),
-        yielding the reply's pieces. When it ends with at least one token, the
+        yielding the reply's pieces; ``policy`` (see :data:`CONTEXT_POLICIES`)
+        says what happens when it outgrows the window. When it ends with at least one token, the
         history becomes ``history`` plus the reply (``partial`` if interrupted)
         and is saved; otherwise nothing changes. The caller holds :attr:`lock`."""
-        ids = self._ids(history, generate=True)
+        ids, history, stats.trimmed_messages = self._ids(history, True, params.max_new_tokens, policy)
         try:
             self._bring_up(ids, stats)
             failed = False
@@ -238,10 +282,10 @@ class Session:
             self.unpin_later()
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
 
-    def prefill(self, history: list[Message], stats: TurnStats) -> None:
+    def prefill(self, history: list[Message], stats: TurnStats, policy: str = "trim") -> None:
         """Teacher-force ``history`` into the KV without generating, make it the
         session's history and save it. The caller holds :attr:`lock`."""
-        ids = self._ids(history, generate=False)
+        ids, history, stats.trimmed_messages = self._ids(history, False, 0, policy)
         try:
             self._bring_up(ids, stats)
             stats.prefilled_tokens = self.engine.prefill(self.kv.seq, stats)
@@ -298,7 +342,7 @@ class Session:
         rest = self.messages[keep:]
         if keep == len(self._stored) and not rest:
             return
-        rows = [(m.role, m.content, None, m.partial) for m in rest]
+        rows = [(m.role, m.content, None, m.partial, m.outside) for m in rest]
         if keep < len(self._stored):
             store.rewrite_history(self.session_id, keep, rows)
         else:
@@ -402,7 +446,7 @@ class SessionManager:
         store.acquire_lease(sid, timeout_s=lease_timeout_s)
         try:
             records = store.messages(sid)
-            session.messages = [Message(r.role, r.content, r.partial) for r in records]
+            session.messages = [Message(r.role, r.content, r.partial, r.outside_window) for r in records]
             session._stored = [dataclasses.replace(m) for m in session.messages]
             session.restore = RestoreInfo("history" if existed else "new", turns=self._turns(session))
             n_cached = store.get_session(sid).n_cached if existed else 0

@@ -25,6 +25,8 @@ class TurnStats:
             the history (a rewound or edited turn, a reply that re-tokenizes
             differently) and were released.
         prefix_cache_tokens: reused tokens found in blocks other sessions share.
+        trimmed_messages: messages this turn left out of the model's window
+            (``context_policy="trim"``; the history keeps them).
         token_ids: the generated token ids (the last may be EOS).
         text: the generated text (stop strings excluded).
         finish_reason: ``"eos"``, ``"stop"``, ``"length"``, ``"context"``,
@@ -50,6 +52,7 @@ class TurnStats:
     prefilled_tokens: int = 0
     discarded_tokens: int = 0
     prefix_cache_tokens: int = 0
+    trimmed_messages: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

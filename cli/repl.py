@@ -201,6 +201,8 @@ def turn_summary(chat: "Chat") -> str | None:
     line = "[" + " · ".join(parts) + "]"
     if s.not_reused:
         line += f"\n(KV not reused: {s.not_reused})"
+    if s.trimmed_messages:
+        line += f"\n({s.trimmed_messages} earlier messages left the context window; the history keeps them)"
     if s.persist_error:
         line += f"\nwarning: this turn was not saved ({s.persist_error}); the conversation goes on in memory"
     return line
@@ -553,10 +555,14 @@ class Repl:
 @click.option("--stop", multiple=True, help="Stop a reply at this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True,
               help="Keep generating past the end-of-sequence token (benchmarks, tests).")
+@click.option("--context-policy", "context_policy", type=click.Choice(["trim", "error"]), default="trim",
+              show_default=True,
+              help="When the conversation outgrows the model's window: trim leaves the oldest turns out "
+                   "of the window (the history keeps them); error refuses the turn.")
 @click.option("--plain", is_flag=True, help="Plain line input without line editing or history.")
 def repl(session_id: str | None, system: str | None, system_file: Path | None, model: str | None,
          kv_quant: str | None, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-         stop: tuple[str, ...], ignore_eos: bool, plain: bool) -> None:
+         stop: tuple[str, ...], ignore_eos: bool, context_policy: str, plain: bool) -> None:
     """Chat in the terminal, streaming replies; the session persists across restarts.
 
     Ctrl-C stops a reply (kept, marked interrupted); Ctrl-D or /exit saves and
@@ -578,7 +584,8 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
             raise CliError(str(exc), ExitCode.USAGE) from exc
     sid = session_id or fresh_session_id()
     options: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
+                                   top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                                   context_policy=context_policy)
     with open_store() as store:
         note(f"loading model {model or 'default'}…")
         chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant, **options)

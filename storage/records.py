@@ -44,6 +44,7 @@ class MessageRecord:
     token_span: tuple[int, int] | None
     created_at: datetime
     partial: bool = False
+    outside_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class NewMessage:
     token_span: tuple[int, int] | None = None
     partial: bool = False
     created_at: datetime | None = None
+    outside_window: bool = False
 
 
 @dataclass(frozen=True)

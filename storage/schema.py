@@ -77,6 +77,8 @@ class SessionRow(Base):
 
 
 MESSAGE_PARTIAL = 1
+#: The message is outside the model's window (left out by a trimming context policy).
+MESSAGE_OUTSIDE_WINDOW = 2
 
 
 class MessageRow(Base):
@@ -94,7 +96,8 @@ class MessageRow(Base):
     tok_start: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tok_end: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-    #: Bit field; :data:`MESSAGE_PARTIAL` marks a reply cut short (Ctrl-C).
+    #: Bit field; :data:`MESSAGE_PARTIAL` marks a reply cut short (Ctrl-C),
+    #: :data:`MESSAGE_OUTSIDE_WINDOW` a message the model's window no longer holds.
     flags: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 

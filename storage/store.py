@@ -80,7 +80,7 @@ from .records import (
     SessionInfo,
     SessionKV,
 )
-from .schema import MESSAGE_PARTIAL, ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
+from .schema import MESSAGE_OUTSIDE_WINDOW, MESSAGE_PARTIAL, ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +89,11 @@ log = logging.getLogger(__name__)
 
 #: A chunk file dropped from the index: (hash, path relative to the home).
 _Dead = tuple[str, str]
+
+
+def _flags(partial: bool, outside_window: bool) -> int:
+    """A message row's flag bits."""
+    return (MESSAGE_PARTIAL if partial else 0) | (MESSAGE_OUTSIDE_WINDOW if outside_window else 0)
 
 
 def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
@@ -348,16 +353,16 @@ class Store:
 
     def append_messages(
         self, session_id: str,
-        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool]],
+        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool] | tuple[str, str, tuple[int, int] | None, bool, bool]],
     ) -> list[MessageRecord]:
-        """Append ``(role, content, token_span, partial)`` messages in one transaction.
+        """Append ``(role, content, token_span, partial[, outside_window])`` messages in one transaction.
 
         Either all of them are committed or none is.
 
         Raises:
             SessionNotFoundError, SessionLockedError, StorageWriteError.
         """
-        for _, _, span, _ in messages:
+        for _, _, span, *_ in messages:
             if span is not None and not (0 <= span[0] <= span[1]):
                 raise ValueError(f"bad token span {span}")
         with self._tx() as s:
@@ -367,11 +372,12 @@ class Store:
             idx = 0 if last is None else last + 1
             now = utcnow()
             out = []
-            for role, content, span, partial in messages:
+            for role, content, span, partial, *rest in messages:
+                outside = bool(rest and rest[0])
                 s.add(MessageRow(session_id=row.id, idx=idx, role=role, content=content,
                                  tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                                 created_at=now, flags=MESSAGE_PARTIAL if partial else 0))
-                out.append(MessageRecord(idx, role, content, span, now, partial))
+                                 created_at=now, flags=_flags(partial, outside)))
+                out.append(MessageRecord(idx, role, content, span, now, partial, outside))
                 idx += 1
             row.updated_at = row.last_used_at = now
             return out
@@ -383,7 +389,8 @@ class Store:
             ms = s.scalars(select(MessageRow).where(MessageRow.session_id == row.id).order_by(MessageRow.idx))
             return [MessageRecord(m.idx, m.role, m.content,
                                   (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
-                                  m.created_at, bool(m.flags & MESSAGE_PARTIAL)) for m in ms]
+                                  m.created_at, bool(m.flags & MESSAGE_PARTIAL),
+                              bool(m.flags & MESSAGE_OUTSIDE_WINDOW)) for m in ms]
 
     def truncate_history(self, session_id: str, keep: int) -> int:
         """Delete messages with index >= ``keep`` (for undo/regenerate); return how many went.
@@ -400,10 +407,10 @@ class Store:
 
     def rewrite_history(
         self, session_id: str, keep: int,
-        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool]],
+        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool] | tuple[str, str, tuple[int, int] | None, bool, bool]],
     ) -> list[MessageRecord]:
         """Keep the first ``keep`` messages and replace the rest with ``messages``
-        (``(role, content, token_span, partial)``), in ONE transaction: a crash or
+        (``(role, content, token_span, partial[, outside_window])``), in ONE transaction: a crash or
         a full disk leaves either the old history or the new one, never a mix or
         none (rewind, edit, a new system prompt, reset).
 
@@ -412,7 +419,7 @@ class Store:
         """
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
-        for _, _, span, _ in messages:
+        for _, _, span, *_ in messages:
             if span is not None and not (0 <= span[0] <= span[1]):
                 raise ValueError(f"bad token span {span}")
         with self._tx() as s:
@@ -424,11 +431,12 @@ class Store:
             idx = 0 if last is None else last + 1
             now = utcnow()
             out = []
-            for role, content, span, partial in messages:
+            for role, content, span, partial, *rest in messages:
+                outside = bool(rest and rest[0])
                 s.add(MessageRow(session_id=row.id, idx=idx, role=role, content=content,
                                  tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                                 created_at=now, flags=MESSAGE_PARTIAL if partial else 0))
-                out.append(MessageRecord(idx, role, content, span, now, partial))
+                                 created_at=now, flags=_flags(partial, outside)))
+                out.append(MessageRecord(idx, role, content, span, now, partial, outside))
                 idx += 1
             row.updated_at = row.last_used_at = now
             return out
@@ -642,7 +650,7 @@ class Store:
                 span = m.token_span
                 s.add(MessageRow(session_id=session_id, idx=n, role=m.role, content=m.content,
                                  tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                                 created_at=m.created_at or now, flags=MESSAGE_PARTIAL if m.partial else 0))
+                                 created_at=m.created_at or now, flags=_flags(m.partial, m.outside_window)))
             self._index_chunks(s, prep)
             s.flush()
             if prep.infos:

@@ -146,3 +146,29 @@ def test_resume_in_a_new_process_prefills_only_the_new_turn(engine, smollm2_refe
     want, _, _ = stock_turn(smollm2_reference, engine.tokenizer, history)
     assert turn3["ids"] == want
     single.close()
+
+
+def test_trim_past_three_windows_matches_stock_on_the_kept_messages(smollm2, smollm2_reference):
+    """Issue 16's must-show on the real model: a window of 384 tokens, a
+    conversation of more than three windows under context_policy="trim"."""
+    window = 384
+    engine = Engine(smollm2, EngineConfig(kv_budget_bytes=64 << 20, block_size=16, max_context=window))
+    tok = engine.tokenizer
+    system_tokens = len(engine.encode_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
+    chat = Chat("smol-trim", system=SYSTEM, engine=engine, max_new_tokens=MAX_NEW)
+    processed = trims = 0
+    turn = 0
+    while processed < 3 * window:
+        chat.send(f"Give me one fact about the number {turn + 1}.")
+        s = chat.last_stats
+        kept = [m.as_dict() for m in chat.history if not m.outside][:-1]
+        want, _, n_prompt = stock_turn(smollm2_reference, tok, kept)
+        assert s.token_ids == want, turn
+        assert s.prompt_tokens == n_prompt and n_prompt + MAX_NEW <= window
+        if s.trimmed_messages:
+            trims += 1
+            assert s.reused_tokens >= system_tokens  # the system prompt's KV is reused after a trim
+        processed += s.prompt_tokens - s.reused_tokens + len(s.token_ids)
+        turn += 1
+    assert trims >= 2 and len(chat.history) == 1 + 2 * turn
+    chat.close()
