@@ -10,7 +10,15 @@ import os
 from pathlib import Path
 
 from chatkv.persistence import default_store
-from chatkv.storage import MessageRecord, RemoveResult, SessionBytes, SessionInfo, Store
+from chatkv.storage import (
+    MessageRecord,
+    RemoveResult,
+    SessionBytes,
+    SessionInfo,
+    Store,
+    export_session,
+    import_session,
+)
 
 
 def _store(store: Store | None) -> Store:
@@ -52,7 +60,7 @@ def delete(session_id: str, store: Store | None = None) -> RemoveResult:
 
 def export(session_id: str, dest: str | os.PathLike[str], store: Store | None = None) -> Path:
     """Write the session as a bundle (history JSON + KV safetensors) at ``dest``."""
-    return _store(store).export_session(session_id, dest)
+    return export_session(_store(store), session_id, dest)
 
 
 def import_(src: str | os.PathLike[str], session_id: str | None = None, *, overwrite: bool = False,
@@ -63,4 +71,4 @@ def import_(src: str | os.PathLike[str], session_id: str | None = None, *, overw
         BundleError: the bundle is malformed or corrupt (nothing is written).
         SessionExistsError: the id is taken and ``overwrite`` is False.
     """
-    return _store(store).import_session(src, session_id=session_id, overwrite=overwrite)
+    return import_session(_store(store), src, session_id=session_id, overwrite=overwrite)

@@ -13,6 +13,7 @@ from chatkv.engine import Engine
 from chatkv.errors import ChatKVWarning
 from chatkv.models import load_model
 from chatkv.persistence import default_store
+from chatkv.storage import export_session, import_session
 from chatkv.storage import SessionLockedError, Store, StorageWriteError
 
 CHUNK = 16
@@ -239,9 +240,9 @@ def test_export_and_import_into_another_home(tmp_path, monkeypatch):
     chat.send("pack this")
     cached = chat.num_cached_tokens
     chat.close()
-    bundle = default_store().export_session("travel", tmp_path / "bundle")
+    bundle = export_session(default_store(), "travel", tmp_path / "bundle")
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path / "elsewhere"))
-    default_store().import_session(bundle)
+    import_session(default_store(), bundle)
     again = open_chat(fresh_engine(), "travel")
     info = again.wait_restored()
     assert info.source == "disk" and info.cached_tokens == cached
