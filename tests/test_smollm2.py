@@ -29,13 +29,13 @@ def engine(smollm2):
     return Engine(smollm2, EngineConfig(kv_budget_bytes=256 << 20, block_size=16))
 
 
-def stock_turn(reference, tokenizer, messages):
+def stock_turn(reference, tokenizer, messages, max_new=MAX_NEW):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     x = torch.tensor([ids])
     with torch.no_grad():
         first_logits = reference(x).logits[0, -1].float()
-        out = reference.generate(x, max_new_tokens=MAX_NEW, do_sample=False,
+        out = reference.generate(x, max_new_tokens=max_new, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     return out[0, len(ids):].tolist(), first_logits, len(ids)
 
@@ -149,22 +149,22 @@ def test_resume_in_a_new_process_prefills_only_the_new_turn(engine, smollm2_refe
 
 
 def test_trim_past_three_windows_matches_stock_on_the_kept_messages(smollm2, smollm2_reference):
-    """Issue 16's must-show on the real model: a window of 384 tokens, a
+    """Issue 16's must-show on the real model: a window of 256 tokens, a
     conversation of more than three windows under context_policy="trim"."""
-    window = 384
+    window, new = 256, 8
     engine = Engine(smollm2, EngineConfig(kv_budget_bytes=64 << 20, block_size=16, max_context=window))
     tok = engine.tokenizer
     system_tokens = len(engine.encode_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
-    chat = Chat("smol-trim", system=SYSTEM, engine=engine, max_new_tokens=MAX_NEW)
+    chat = Chat("smol-trim", system=SYSTEM, engine=engine, max_new_tokens=new)
     processed = trims = 0
     turn = 0
     while processed < 3 * window:
         chat.send(f"Give me one fact about the number {turn + 1}.")
         s = chat.last_stats
         kept = [m.as_dict() for m in chat.history if not m.outside][:-1]
-        want, _, n_prompt = stock_turn(smollm2_reference, tok, kept)
+        want, _, n_prompt = stock_turn(smollm2_reference, tok, kept, new)
         assert s.token_ids == want, turn
-        assert s.prompt_tokens == n_prompt and n_prompt + MAX_NEW <= window
+        assert s.prompt_tokens == n_prompt and n_prompt + new <= window
         if s.trimmed_messages:
             trims += 1
             assert s.reused_tokens >= system_tokens  # the system prompt's KV is reused after a trim
