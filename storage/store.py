@@ -91,6 +91,10 @@ log = logging.getLogger(__name__)
 _Dead = tuple[str, str]
 
 
+#: A message to store: ``(role, content, token_span, partial[, outside_window])``.
+MessageTuple = tuple[str, str, "tuple[int, int] | None", bool] | tuple[str, str, "tuple[int, int] | None", bool, bool]
+
+
 def _flags(partial: bool, outside_window: bool) -> int:
     """A message row's flag bits."""
     return (MESSAGE_PARTIAL if partial else 0) | (MESSAGE_OUTSIDE_WINDOW if outside_window else 0)
@@ -351,10 +355,7 @@ class Store:
         """
         return self.append_messages(session_id, [(role, content, token_span, partial)])[0]
 
-    def append_messages(
-        self, session_id: str,
-        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool] | tuple[str, str, tuple[int, int] | None, bool, bool]],
-    ) -> list[MessageRecord]:
+    def append_messages(self, session_id: str, messages: Sequence[MessageTuple]) -> list[MessageRecord]:
         """Append ``(role, content, token_span, partial[, outside_window])`` messages in one transaction.
 
         Either all of them are committed or none is.
@@ -362,25 +363,7 @@ class Store:
         Raises:
             SessionNotFoundError, SessionLockedError, StorageWriteError.
         """
-        for _, _, span, *_ in messages:
-            if span is not None and not (0 <= span[0] <= span[1]):
-                raise ValueError(f"bad token span {span}")
-        with self._tx() as s:
-            row = self._get(s, session_id)
-            self._check_lease(s, session_id)
-            last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
-            idx = 0 if last is None else last + 1
-            now = utcnow()
-            out = []
-            for role, content, span, partial, *rest in messages:
-                outside = bool(rest and rest[0])
-                s.add(MessageRow(session_id=row.id, idx=idx, role=role, content=content,
-                                 tok_start=span[0] if span else None, tok_end=span[1] if span else None,
-                                 created_at=now, flags=_flags(partial, outside)))
-                out.append(MessageRecord(idx, role, content, span, now, partial, outside))
-                idx += 1
-            row.updated_at = row.last_used_at = now
-            return out
+        return self.rewrite_history(session_id, None, messages)
 
     def messages(self, session_id: str) -> list[MessageRecord]:
         """The session's history, in order."""
@@ -390,7 +373,7 @@ class Store:
             return [MessageRecord(m.idx, m.role, m.content,
                                   (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
                                   m.created_at, bool(m.flags & MESSAGE_PARTIAL),
-                              bool(m.flags & MESSAGE_OUTSIDE_WINDOW)) for m in ms]
+                                  bool(m.flags & MESSAGE_OUTSIDE_WINDOW)) for m in ms]
 
     def truncate_history(self, session_id: str, keep: int) -> int:
         """Delete messages with index >= ``keep`` (for undo/regenerate); return how many went.
@@ -405,19 +388,18 @@ class Store:
             row.updated_at = utcnow()
             return int(n or 0)
 
-    def rewrite_history(
-        self, session_id: str, keep: int,
-        messages: Sequence[tuple[str, str, tuple[int, int] | None, bool] | tuple[str, str, tuple[int, int] | None, bool, bool]],
-    ) -> list[MessageRecord]:
-        """Keep the first ``keep`` messages and replace the rest with ``messages``
-        (``(role, content, token_span, partial[, outside_window])``), in ONE transaction: a crash or
-        a full disk leaves either the old history or the new one, never a mix or
-        none (rewind, edit, a new system prompt, reset).
+    def rewrite_history(self, session_id: str, keep: int | None,
+                        messages: Sequence[MessageTuple]) -> list[MessageRecord]:
+        """Keep the first ``keep`` messages (all of them with None) and replace the
+        rest with ``messages`` (``(role, content, token_span, partial[,
+        outside_window])``), in ONE transaction: a crash or a full disk leaves
+        either the old history or the new one, never a mix or none (rewind,
+        edit, a new system prompt, reset).
 
         Raises:
             SessionNotFoundError, SessionLockedError, StorageWriteError.
         """
-        if keep < 0:
+        if keep is not None and keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
         for _, _, span, *_ in messages:
             if span is not None and not (0 <= span[0] <= span[1]):
@@ -425,8 +407,9 @@ class Store:
         with self._tx() as s:
             row = self._get(s, session_id)
             self._check_lease(s, session_id)
-            s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
-            s.flush()
+            if keep is not None:
+                s.execute(delete(MessageRow).where(MessageRow.session_id == row.id, MessageRow.idx >= keep))
+                s.flush()
             last = s.scalar(select(func.max(MessageRow.idx)).where(MessageRow.session_id == row.id))
             idx = 0 if last is None else last + 1
             now = utcnow()
