@@ -11,6 +11,7 @@ import click
 from .errors import ExitCode, translate
 from .models import models
 from .repl import repl
+from .serve import serve
 from .sessions import sessions
 
 EPILOG = """\b
@@ -19,6 +20,8 @@ Environment:
                        default: the platform's user data dir
   CHATKV_DB_URL        SQLAlchemy URL of the index; default sqlite:///$CHATKV_HOME/index.db
   CHATKV_MODEL_CACHE   converted models; default $CHATKV_HOME/models
+  CHATKV_API_KEY       `chatkv serve --api-key`: the key every request needs
+  CHATKV_API_KEY_FILE  `chatkv serve --api-key-file`: tenants, one 'NAME KEY' a line
 
 \b
 Exit codes: 0 ok, 1 error, 2 usage (bad option or session id), 3 unknown
@@ -52,6 +55,7 @@ def main() -> None:
 
 
 main.add_command(repl)
+main.add_command(serve)
 main.add_command(sessions)
 main.add_command(models)
 
