@@ -498,6 +498,11 @@ class Scheduler:
                     self._blocked(req, step.now)
                 return
             if req.preempted:
+                # Making room may have released other holders of this request's prefix
+                # blocks, so reviving them now takes more from the pool: measure again.
+                n, need = self._admission_need(req, step.budget)
+                if self._short(step, need):
+                    return
                 pool.revive_prefix(req.seq)
                 req.preempted = False
                 req.stats.recomputed_tokens += req.todo

@@ -143,6 +143,7 @@ class Session:
         self.ready = threading.Event()
         self.opened = threading.Event()
         self.open_error: BaseException | None = None
+        self.released = threading.Event()  # set once a closed session let go of its KV and lease
         self.lock = threading.Lock()
         self._mu = threading.Lock()
         self._in_turn = False
@@ -405,16 +406,20 @@ class SessionManager:
                 session.handles += 1
             return session
         key = (id(store), session_id)
-        with _OPEN_LOCK:
-            session = _OPEN.get(key)
-            creating = session is None
-            if creating:
-                session = _OPEN[key] = Session(self, session_id, store, chunk_tokens)
-            elif session.engine is not self.engine:
-                raise SessionBusyError(
-                    f"session {session_id!r} is already open in this process on another engine "
-                    f"(model {session.engine.loaded.name!r}); close it there first")
-            session.handles += 1
+        while True:  # a session still closing in this process is waited for, then reopened
+            with _OPEN_LOCK:
+                session = _OPEN.get(key)
+                if session is None or not session.closed:
+                    creating = session is None
+                    if creating:
+                        session = _OPEN[key] = Session(self, session_id, store, chunk_tokens)
+                    elif session.engine is not self.engine:
+                        raise SessionBusyError(
+                            f"session {session_id!r} is already open in this process on another engine "
+                            f"(model {session.engine.loaded.name!r}); close it there first")
+                    session.handles += 1
+                    break
+            session.released.wait()
         if not creating:
             session.opened.wait()
             if session.open_error is not None:
@@ -449,9 +454,11 @@ class SessionManager:
             session.messages = [Message(r.role, r.content, r.partial, r.outside_window) for r in records]
             session._stored = [dataclasses.replace(m) for m in session.messages]
             session.restore = RestoreInfo("history" if existed else "new", turns=self._turns(session))
-            n_cached = store.get_session(sid).n_cached if existed else 0
+            info = store.get_session(sid)
+            n_cached = info.n_cached if existed else 0
             kv = session.kv
             kv.tier = Tier.DISK if n_cached else Tier.DEVICE
+            kv.disk_bytes = info.kv_bytes if existed else 0
             kv.pins = 1 if n_cached else 0
             engine.call(lambda: engine.tiers.register(kv), "register")
         except BaseException:
@@ -491,18 +498,24 @@ class SessionManager:
             session.handles -= 1
             last = session.handles == 0
             if last and session.store is not None:
-                _OPEN.pop((id(session.store), session.session_id), None)
-                session.closed = True
+                session.closed = True  # new opens of the id wait for `released`, then start afresh
         if not last:
             return
-        session.ready.wait()
-        with session.lock:
-            session.persist()
-            if session.store is None:
-                session.forget_kv()
-                return
-            self.engine.call(lambda: self.engine.tiers.unregister(session.kv), "unregister")
-            session.store.release_lease(session.session_id)
+        try:
+            session.ready.wait()
+            with session.lock:
+                session.persist()
+                if session.store is None:
+                    session.forget_kv()
+                    return
+                self.engine.call(lambda: self.engine.tiers.unregister(session.kv), "unregister")
+                session.store.release_lease(session.session_id)
+        finally:
+            if session.store is not None:
+                with _OPEN_LOCK:
+                    if _OPEN.get((id(session.store), session.session_id)) is session:
+                        del _OPEN[(id(session.store), session.session_id)]
+                session.released.set()
 
     def fork(self, parent: Session, session_id: str) -> Session:
         """A new session (one handle) that starts as a copy of ``parent``, sharing
