@@ -310,6 +310,19 @@ class BlockPool:
         discarded = cached - min(keep, cached) if prefix_cache == 0 else 0
         return Alignment(cached=cached, kept=keep, prefix_cache=prefix_cache, discarded=discarded)
 
+    def trim_to(self, seq: Sequence, token_ids: Seq[int]) -> int:
+        """Release ``seq``'s KV past the prefix it shares with ``token_ids`` (the
+        shared part is kept whole; nothing is attached). Returns the tokens kept."""
+        self._check()
+        limit = min(seq.num_computed, len(token_ids))
+        keep = 0
+        while keep < limit and seq.token_ids[keep] == token_ids[keep]:
+            keep += 1
+        if keep < seq.num_computed:
+            self.truncate(seq, keep)
+        del seq.token_ids[keep:]
+        return keep
+
     def release_tail_first(self, seq: Sequence) -> None:
         """Release every block of ``seq`` last block first, keeping ``seq.token_ids``.
 

@@ -71,6 +71,9 @@ class Chat:
         tiers, kv_quant: the engine's tier policy (``kv_quant`` is shorthand for
             ``tiers.quant_scheme``). Engine-wide: they pick (or build) an engine
             with that policy; with an explicit ``engine`` they must match its own.
+        pin: keep this session's KV on the device however long it idles (idle
+            policies skip it; memory pressure demotes it only after every
+            other idle session).
         **sampling: defaults for :class:`~chatkv.config.SamplingParams`.
 
     Raises:
@@ -85,7 +88,7 @@ class Chat:
                  engine: Engine | None = None, engine_config: EngineConfig | None = None,
                  store: Store | None = None, persist: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  lease_timeout_s: float = 0.0, tiers: TierConfig | None = None, kv_quant: str | None = None,
-                 context_policy: str = "trim", **sampling: Any) -> None:
+                 context_policy: str = "trim", pin: bool = False, **sampling: Any) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
         if context_policy not in CONTEXT_POLICIES:
@@ -103,6 +106,9 @@ class Chat:
         self._session: Session = self.engine.sessions.open(
             self.session_id, store=(store or default_store()) if persist else None, chunk_tokens=chunk_tokens,
             lease_timeout_s=lease_timeout_s, system=system)
+        if pin:
+            kv = self._session.kv
+            self.engine.call(lambda: setattr(kv, "keep_resident", True), "pin")
         if system is not None:
             self.set_system(system)
 

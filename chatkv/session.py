@@ -297,9 +297,19 @@ class Session:
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
 
     def set_history(self, messages: list[Message]) -> None:
-        """Replace the history (a rewind, a new system prompt, a reset) and save it;
-        the KV is realigned on the next turn. The caller holds :attr:`lock`."""
+        """Replace the history (a rewind, a new system prompt, a reset) and save it.
+        KV on the device past what the new history shares with it is released at
+        once, in the pool and on disk, so no unreachable KV stays behind. The
+        caller holds :attr:`lock`."""
         self.messages = list(messages)
+        if messages:
+            kept = [m for i, m in enumerate(messages) if not (m.outside and i)]
+            ids = self.engine.encode_chat([m.as_dict() for m in kept], add_generation_prompt=False)
+
+            def trim() -> None:
+                if self.kv.tier is Tier.DEVICE and not self.kv.pins:
+                    self.engine.pool.trim_to(self.kv.seq, ids)
+            self.engine.call(trim, "trim dead KV")
         self.persist()
 
     def forget_kv(self) -> None:

@@ -92,6 +92,9 @@ class TieredKV:
         offloaded: its KV in the quantized or host tier.
         last_used: ``time.monotonic()`` of its last turn.
         pins: > 0 while a turn, restore or save uses it: never demoted then.
+        keep_resident: the app asked to keep it on the device (``Chat(pin=True)``):
+            idle policies skip it and pressure demotes it only after every other
+            idle session.
         lost: why its KV was last lost (expired, no room), for turn stats.
         disk_bytes: bytes of its chunk files (kept by the session layer, for stats).
     """
@@ -103,6 +106,7 @@ class TieredKV:
     offloaded: OffloadedKV | None = None
     last_used: float = field(default_factory=time.monotonic)
     pins: int = 0
+    keep_resident: bool = False
     lost: str | None = None
     disk_bytes: int = 0
 
@@ -320,7 +324,7 @@ class TierManager:
 
     def _idle_lru(self, exclude: TieredKV | None = None) -> list[TieredKV]:
         idle = [s for s in self._sessions.values() if s is not exclude and not s.pins]
-        return sorted(idle, key=lambda s: s.last_used)
+        return sorted(idle, key=lambda s: (s.keep_resident, s.last_used))
 
     def _first_tier_below_device(self) -> Tier:
         if self.config.quant_scheme != "none" and self.effective_scheme() != "none":
@@ -373,6 +377,8 @@ class TierManager:
                  (Tier.DISK, c.spill_after_s), (Tier.EXPIRED, c.kv_ttl_s)]
         expired = []
         for victim in self._idle_lru():
+            if victim.keep_resident:
+                continue
             idle = now - victim.last_used
             target = None
             for tier, after in steps:

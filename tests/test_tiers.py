@@ -309,3 +309,33 @@ def test_quantized_tiers_under_pressure_stay_close_to_full_precision():
     assert hits["quantized"] + hits["host"] >= 5, hits
     assert engine.call(engine.tiers.device_bytes) <= 56 * per_block
     assert same / total >= 0.9, same / total
+
+
+def test_a_pinned_session_survives_the_idle_period_that_demotes_the_others():
+    engine = engine_with()
+    engine.configure_tiers(TierConfig(offload_after_s=10, spill_after_s=20))
+    keep = chat(engine, "keep", system="sys", pin=True)
+    other = chat(engine, "other", system="sys")
+    keep.send("hello")
+    other.send("hello")
+    engine.call(lambda: None)  # both turns' unpins have run
+    now = max(keep._session.kv.last_used, other._session.kv.last_used)
+    engine.sessions.maintain(now=now + 30)
+    assert keep.tier == "device" and other.tier == "disk"
+    keep.send("still here")
+    assert keep.last_stats.kv_source == "device" and keep.last_stats.reused_tokens > 0
+
+
+def test_rewind_releases_the_dropped_turns_kv_at_once():
+    engine = engine_with()
+    c = chat(engine, "rw", system="sys")
+    for text in ["one", "two", "three"]:
+        c.send(text)
+    before_blocks = engine.pool_stats().used_blocks
+    before_disk = default_store().get_session("rw").n_cached
+    c.rewind(2)
+    kept = len(engine.encode_chat(c.messages, add_generation_prompt=False))
+    assert 0 < c.num_cached_tokens <= kept  # the kept history stays, nothing past it
+    assert engine.pool_stats().used_blocks < before_blocks
+    assert default_store().get_session("rw").n_cached == c.num_cached_tokens < before_disk
+    c.close()
