@@ -216,6 +216,12 @@ def test_explicit_session_rewrites_a_diverging_history(engine: Engine) -> None:
         assert [m["content"] for m in stored[:3]] == ["first question", "my own answer", "second"]
         _, _, h = complete(client, edited, extra_body={"prompt_cache_key": "pinned-2"})
         assert h["x-session-id"] == "pinned-2"
+        # OpenAI's newer forms: a developer message is the system prompt; text parts are joined.
+        parts = [{"role": "developer", "content": "be brief"},
+                 {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}]
+        complete(client, parts, extra_headers={"X-Session-ID": "parts"})
+        stored = httpx.get(f"{live.base_url}/sessions/parts").json()["messages"]
+        assert [(m["role"], m["content"]) for m in stored[:2]] == [("system", "be brief"), ("user", "two parts")]
 
 
 def test_regenerate_branches_and_keeps_the_original(engine: Engine) -> None:
