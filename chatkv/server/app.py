@@ -48,7 +48,7 @@ from chatkv.server.errors import APIError, bad_request, from_exception
 from chatkv.server.metrics import Metrics
 from chatkv.server.prefix_index import PrefixIndex
 from chatkv.server.schemas import ChatRequest, parse_chat_request, parse_json
-from chatkv.server.sessions import Claim, SessionRegistry, supports_context_policy
+from chatkv.server.sessions import Claim, SessionRegistry
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
@@ -80,7 +80,7 @@ class ServerConfig:
         default_temperature: when a request sets none (OpenAI's default is 1).
         context_policy: a history longer than the window: ``error`` (400
             ``context_length_exceeded``, as OpenAI) or ``trim`` (the oldest turns
-            leave the window; needs a chatkv whose Chat has ``context_policy``).
+            leave the window; see :class:`chatkv.Chat`'s ``context_policy``).
         threads: worker threads for the blocking parts of requests (opening and
             saving sessions, the index); generation itself needs none.
     """
@@ -451,11 +451,7 @@ def create_app(engine: "Engine", store: "Store", config: ServerConfig | None = N
     keys = keys or KeyRing()
     if config.context_policy not in ("error", "trim"):
         raise ConfigError(f"context_policy must be 'error' or 'trim', got {config.context_policy!r}")
-    chat_options: dict[str, Any] = {}
-    if supports_context_policy():
-        chat_options["context_policy"] = config.context_policy
-    elif config.context_policy != "error":
-        raise ConfigError("this chatkv's Chat has no context_policy: only 'error' is available")
+    chat_options: dict[str, Any] = {"context_policy": config.context_policy}
     model_name = config.model_name or engine.loaded.name
     names = frozenset({model_name, engine.loaded.name, *config.aliases})
     metrics = Metrics(model_name)

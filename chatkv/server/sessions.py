@@ -34,7 +34,6 @@ engine's tiers as they idle); the least recently used idle one is closed
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import secrets
 from collections import OrderedDict
@@ -377,10 +376,3 @@ class SessionRegistry:
                 self.index.record(info.id, owner.name, messages)
                 n += 1
         return n
-
-
-def supports_context_policy() -> bool:
-    """True if this chatkv's :class:`~chatkv.Chat` takes ``context_policy``."""
-    from chatkv.chat import Chat
-
-    return "context_policy" in inspect.signature(Chat.__init__).parameters
