@@ -27,24 +27,27 @@ from chatkv.channel import Pending, next_nonblocking
 if TYPE_CHECKING:
     from chatkv.chat import Chat
 
-_DONE = object()
+#: What :func:`advance` returns once the generator is exhausted.
+DONE = object()
 
 
-def _advance(gen: Iterator[Any], lock: threading.Lock) -> Any:
-    """One non-blocking step of ``gen``; ``_DONE`` when it is exhausted."""
+def advance(gen: Iterator[Any], lock: threading.Lock) -> Any:
+    """One non-blocking step of a turn's generator (under ``lock``); :data:`DONE` when it is exhausted."""
     with lock:
         try:
             return next_nonblocking(gen)
         except StopIteration:
-            return _DONE
+            return DONE
 
 
-def _close(gen: Iterator[Any], lock: threading.Lock) -> None:
+def close(gen: Iterator[Any], lock: threading.Lock) -> None:
+    """Close a turn's generator (cancelling the turn), after any step still running."""
     with lock:  # waits for a step still running in another thread
         gen.close()  # type: ignore[attr-defined]
 
 
-async def _wait_ready(loop: asyncio.AbstractEventLoop, pending: Pending) -> None:
+async def wait_ready(loop: asyncio.AbstractEventLoop, pending: Pending) -> None:
+    """Return once ``pending``'s channel has an item (woken from the scheduler's thread)."""
     ready = loop.create_future()
 
     def set_ready() -> None:
@@ -78,24 +81,24 @@ async def astream(chat: Chat, text: str, **sampling: Any) -> AsyncGenerator[str,
     finished = False
     try:
         # Waiting for the session, templating and aligning its cache may block.
-        item = await loop.run_in_executor(None, _advance, gen, lock)
-        while item is not _DONE:
+        item = await loop.run_in_executor(None, advance, gen, lock)
+        while item is not DONE:
             if isinstance(item, Pending):
                 if item.final:
                     # Ending the turn saves the session: blocking work.
-                    item = await loop.run_in_executor(None, _advance, gen, lock)
+                    item = await loop.run_in_executor(None, advance, gen, lock)
                     continue
-                await _wait_ready(loop, item)
+                await wait_ready(loop, item)
             else:
                 yield item
-            item = _advance(gen, lock)
+            item = advance(gen, lock)
         finished = True
     except BaseException:
         finished = gen.gi_frame is None  # type: ignore[attr-defined]  # the turn raised: nothing to close
         raise
     finally:
         if not finished:
-            closing = loop.run_in_executor(None, _close, gen, lock)
+            closing = loop.run_in_executor(None, close, gen, lock)
             try:
                 await asyncio.shield(closing)
             except asyncio.CancelledError:

@@ -225,7 +225,7 @@ class Chat:
         """
         new = [Message.parse(m) for m in messages]
         for m in new:
-            history.check_text(m.content, self._max_chars, f"a {m.role} message")
+            history.check_text(m.content, self._max_chars, f"a {m.role} message", allow_empty=m.role == "assistant")
         base = history.for_complete(new)
         return self._generate(lambda msgs: base, sampling)
 
@@ -240,7 +240,7 @@ class Chat:
         """
         new = [Message.parse(m) for m in messages]
         for m in new:
-            history.check_text(m.content, self._max_chars, f"a {m.role} message")
+            history.check_text(m.content, self._max_chars, f"a {m.role} message", allow_empty=m.role == "assistant")
         session, stats = self._session, TurnStats(started_at=time.perf_counter())
         with self._turn_lock():
             base = history.appended(session.messages, new)

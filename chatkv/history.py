@@ -12,8 +12,11 @@ from chatkv.errors import ContextWindowExceededError, EditError, InvalidMessageE
 from chatkv.session import Message
 
 
-def check_text(text: object, max_chars: int, what: str = "a message") -> str:
+def check_text(text: object, max_chars: int, what: str = "a message", allow_empty: bool = False) -> str:
     """``text`` if it is a valid message text, before any tokenizing or side effect.
+
+    ``allow_empty`` accepts an empty text (an assistant reply that was only an
+    end-of-sequence token is stored as "").
 
     Raises:
         InvalidMessageError: not a string, empty, or not encodable as UTF-8
@@ -22,8 +25,8 @@ def check_text(text: object, max_chars: int, what: str = "a message") -> str:
             than the context window can hold whatever it tokenizes to (checked
             by counting, so rejecting a huge text costs nothing).
     """
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidMessageError(f"{what} must be a non-empty string")
+    if not isinstance(text, str) or not (allow_empty or text.strip()):
+        raise InvalidMessageError(f"{what} must be a {'' if allow_empty else 'non-empty '}string")
     if len(text) > max_chars:
         raise ContextWindowExceededError(
             f"{what} of {len(text)} characters cannot fit the model's context window")

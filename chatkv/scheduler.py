@@ -575,11 +575,15 @@ class Scheduler:
             with self._mu:
                 self._unadmitted -= 1
 
-    def _settle(self, req: Request) -> None:
+    def _settle(self, req: Request, last: Any = None) -> None:
+        """Complete ``req``'s stats, then hand the consumer ``last`` (END or a
+        Failure), then mark it done: a consumer that sees the end reads final stats."""
         stats = req.stats
         stats.text = req.streamer.reply
         if req.decode_start is not None:
             stats.decode_s = time.perf_counter() - req.decode_start
+        if last is not None:
+            req.channel.put(last)
         req.done.set()
 
     def _drop(self, req: Request) -> None:
@@ -609,8 +613,7 @@ class Scheduler:
             return
         self._remove(req)
         self.stats.failed += 1
-        req.channel.put(Failure(exc))
-        self._settle(req)
+        self._settle(req, Failure(exc))
 
     def _finish(self, req: Request, reason: str) -> None:
         piece = req.streamer.flush()
@@ -619,8 +622,7 @@ class Scheduler:
         req.stats.finish_reason = reason
         self._remove(req)
         self.stats.finished += 1
-        req.channel.put(END)
-        self._settle(req)
+        self._settle(req, END)
 
     # -- sampling -------------------------------------------------------------------------
 

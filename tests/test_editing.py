@@ -216,7 +216,11 @@ def test_complete_replies_to_a_whole_conversation_reusing_what_matches(setup):
     assert chat.messages == [*sent, {"role": "assistant", "content": reply}]
     assert chat.last_stats.reused_tokens >= tokens(engine, sent[:4], False) - 1
     assert [m.content for m in default_store().messages("ed")] == [m["content"] for m in chat.messages]
-    for bad in ([], [OLD[1]], [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]):
+    # A reply that was only an end-of-sequence token is stored as "": such a history is valid.
+    assert chat.complete([SYSTEM, OLD[0], {"role": "assistant", "content": ""}, OLD[2]]) is not None
+    chat.complete(sent)
+    for bad in ([], [OLD[1]], [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
+                [{"role": "user", "content": ""}]):
         with pytest.raises(InvalidMessageError):
             chat.complete(bad)
     assert len(chat.messages) == len(sent) + 1

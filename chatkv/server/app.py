@@ -230,8 +230,7 @@ class Turn:
         self._counted = True
         try:
             gen = self.claim.chat.stream_complete(self.req.messages, **self.sampling)
-            engine = self.state.engine
-            self.driver = TurnDriver(gen, self.state.executor, lambda: engine.call(_nothing, "turn end"))
+            self.driver = TurnDriver(gen, self.state.executor)
             return await self.next()
         except BaseException as exc:
             await self.finished()
@@ -414,10 +413,6 @@ class EventStream(StreamingResponse):
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _nothing() -> None:
-    return None
 
 
 def _fingerprint(state: _State) -> str:

@@ -9,11 +9,6 @@ ready the generator yields a :class:`~chatkv.channel.Pending`, and the
 engine's scheduler thread wakes the event loop when one is. Many turns in
 flight thus cost no threads, and all of them batch in the engine's scheduler.
 
-Before the last step, the driver waits for one round trip through the
-engine's loop (``barrier``): the loop announces a turn's end before it has
-finished settling the turn's statistics (its final text among them), and the
-session reads them in that last step.
-
 Closing a turn early (the client went away, the server is shutting down)
 cancels it at the engine's next step; the partial reply is kept, marked
 ``partial``, as with Ctrl-C in the REPL.
@@ -23,38 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from typing import Any
 
-from chatkv.channel import Pending, next_nonblocking
-
-_DONE = object()
-
-
-def _advance(gen: Iterator[Any], lock: threading.Lock) -> Any:
-    with lock:
-        try:
-            return next_nonblocking(gen)
-        except StopIteration:
-            return _DONE
-
-
-def _close(gen: Iterator[Any], lock: threading.Lock) -> None:
-    with lock:  # waits for a step still running in another thread
-        gen.close()  # type: ignore[attr-defined]
-
-
-async def _wait_ready(loop: asyncio.AbstractEventLoop, pending: Pending) -> None:
-    ready = loop.create_future()
-
-    def set_ready() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    pending.on_ready(lambda: loop.call_soon_threadsafe(set_ready))
-    await ready
-
+from chatkv.aio import DONE, advance, close, wait_ready
+from chatkv.channel import Pending
 
 class TurnDriver:
     """Steps one turn's generator from asyncio.
@@ -64,23 +33,16 @@ class TurnDriver:
     still running and waits until it has let go of the session.
     """
 
-    def __init__(self, gen: Iterator[str], executor: Executor, barrier: Callable[[], None] | None = None) -> None:
-        """Drive ``gen``, running its blocking steps in ``executor``; ``barrier``
-        (blocking) returns once the engine's loop has finished its current step."""
+    def __init__(self, gen: Iterator[str], executor: Executor) -> None:
+        """Drive ``gen``, running its blocking steps in ``executor``."""
         self._gen = gen
         self._executor = executor
-        self._barrier = barrier
         self._lock = threading.Lock()
         self._started = False
         self.done = False
 
     async def _blocking(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._gen, self._lock)
-
-    def _last_step(self, gen: Iterator[Any], lock: threading.Lock) -> Any:
-        if self._barrier is not None:
-            self._barrier()
-        return _advance(gen, lock)
 
     async def next(self) -> str | None:
         """The next piece of the reply, or None when the turn has ended."""
@@ -90,19 +52,19 @@ class TurnDriver:
         try:
             if not self._started:
                 self._started = True
-                item = await self._blocking(_advance)
+                item = await self._blocking(advance)
             else:
-                item = _advance(self._gen, self._lock)
+                item = advance(self._gen, self._lock)
             while True:
-                if item is _DONE:
+                if item is DONE:
                     self.done = True
                     return None
                 if isinstance(item, Pending):
                     if item.final:  # ending the turn saves the session: blocking work
-                        item = await self._blocking(self._last_step)
+                        item = await self._blocking(advance)
                         continue
-                    await _wait_ready(loop, item)
-                    item = _advance(self._gen, self._lock)
+                    await wait_ready(loop, item)
+                    item = advance(self._gen, self._lock)
                     continue
                 return item
         except asyncio.CancelledError:
@@ -117,4 +79,4 @@ class TurnDriver:
         if self.done:
             return
         self.done = True
-        await self._blocking(_close)
+        await self._blocking(close)
