@@ -22,7 +22,7 @@ from .output import ago, human_bytes, print_fields, print_json, print_table, pri
 from .store import open_store
 
 if TYPE_CHECKING:
-    from chatkv.storage import SessionInfo
+    from chatkv.storage import DiskGcReport, SessionInfo
 
 #: Names a session archive may contain (what :func:`chatkv.storage.export_session` writes).
 BUNDLE_MEMBERS = ("history.json", "kv.safetensors")
@@ -227,12 +227,20 @@ def _parse_duration(value: str | None) -> float | None:
                    "[env CHATKV_DISK_BUDGET]")
 @click.option("--grace", "grace_s", default=600.0, show_default=True, type=float,
               help="Spare orphan and temporary files younger than this many seconds (saves in flight).")
+@click.option("--force", is_flag=True,
+              help="Delete orphan chunk files even when the index looks lost (deleted, recreated or emptied "
+                   "while chunk files remain); without it gc keeps them and exits 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, as_json: bool) -> None:
+def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, force: bool, as_json: bool) -> None:
     """Enforce the disk tier and reclaim space: expire KV past its TTL, fit the disk
     budget (least recently used first), remove orphan and temporary files, dangling
     and unreferenced chunks. Histories are never deleted, and sessions another
-    process is using are left alone, so it is safe while apps run."""
+    process is using are left alone, so it is safe while apps run.
+
+    If the index looks lost (index.db deleted, truncated or emptied while chunk
+    files remain), every chunk file looks like an orphan: gc keeps them, says
+    why, and exits 1; restore the index from a backup, or pass --force to
+    delete them."""
     from chatkv.storage import DiskPolicy, enforce_disk_policy
 
     try:
@@ -242,15 +250,25 @@ def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, 
     if grace_s < 0:
         raise CliError(f"--grace must be >= 0, not {grace_s:g}", ExitCode.USAGE)
     with open_store() as store:
-        report = enforce_disk_policy(store, policy, dry_run=dry_run, grace_s=grace_s)
+        report = enforce_disk_policy(store, policy, dry_run=dry_run, grace_s=grace_s, force=force)
     if as_json:
         print_json(dataclasses.asdict(report))
-        return
+    else:
+        _print_gc(report)
+    if report.index_lost and not force:
+        if report.orphans_kept and not dry_run:
+            click.echo(f"Error: kept {report.orphan_files} orphan chunk files: {report.index_lost}", err=True)
+            raise click.exceptions.Exit(int(ExitCode.ERROR))
+        click.echo(f"Warning: {report.index_lost}", err=True)
+
+
+def _print_gc(report: "DiskGcReport") -> None:
+    dry_run = report.dry_run
     verb = "would reclaim" if dry_run else "reclaimed"
     print_fields([
         ("expired sessions (TTL)", f"{len(report.expired_sessions)} ({human_bytes(report.expired_bytes)})"),
         ("sessions over disk budget", f"{len(report.over_budget_sessions)} ({human_bytes(report.over_budget_bytes)})"),
-        ("orphan files", report.orphan_files),
+        ("orphan files", f"{report.orphan_files}{' (kept: the index looks lost)' if report.orphans_kept else ''}"),
         ("temp files", report.temp_files),
         ("dangling chunks", report.dangling_chunks),
         ("unreferenced chunks", report.unreferenced_chunks),

@@ -42,6 +42,7 @@ from .paths import default_db_url, default_home
 from .records import (
     ChunkInfo,
     ChunkUsage,
+    DebrisReport,
     DiskUsage,
     GcReport,
     LoadedChunk,
@@ -58,7 +59,7 @@ from .store import Store
 
 __all__ = [
     "BundleError", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkUsage",
-    "CorruptChunkError", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
+    "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
     "InvalidSessionIdError", "Lease", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",

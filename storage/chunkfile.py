@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptChunkError, MissingChunkError, StorageWriteError
 from .hashing import ChunkHash, chunk_hash
-from .paths import TMP_PREFIX
+from .paths import tmp_name
 
 if TYPE_CHECKING:
     import torch
@@ -198,17 +197,18 @@ def ensure_dir(path: Path) -> None:
         raise StorageWriteError(f"cannot create directory {path}: {e.strerror or e}") from e
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, *, token: str | None = None) -> None:
     """Write ``data`` to ``path`` atomically and durably.
 
-    Temp file in the same directory, write, fsync, ``os.replace``, fsync the
+    Temp file in the same directory (named with the writing Store's ``token``,
+    see :func:`~.paths.tmp_name`), write, fsync, ``os.replace``, fsync the
     directory. On any error the temp file is removed and ``path`` is untouched.
 
     Raises:
         StorageWriteError: disk full, read-only file system, or any other OS error.
     """
     ensure_dir(path.parent)
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp = path.parent / tmp_name(path.name, token)
     fd = -1
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -294,18 +294,41 @@ def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         ValueError: a malformed header, unknown dtype, or offsets outside the file.
         OSError: the file cannot be opened.
     """
+    with open(path, "rb") as fh:
+        mm, size = mmap_fd(fh.fileno())
+    header, meta, base = _read_header(mm, size)
+    return meta, tensors_from_map(mm, size, header, base)
+
+
+def mmap_fd(fd: int) -> tuple[Any, int]:
+    """A private (copy-on-write) memory map of the open file ``fd`` and its size.
+
+    Raises:
+        ValueError: the file is shorter than a safetensors header.
+    """
     import mmap
 
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise ValueError(f"{size} bytes is too short for a safetensors file")
+    # Copy-on-write: reading shares the page cache; a stray write would touch a
+    # private page, never the file (and never fault).
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), size
+
+
+def read_header(buf: Any, size: int) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Parse a safetensors header: (tensor entries, string metadata, offset of the data). Raises ValueError."""
+    return _read_header(buf, size)
+
+
+def tensors_from_map(mm: Any, size: int, header: Mapping[str, Any], base: int) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``mm`` as ``header`` (parsed by :func:`read_header`) describes them.
+
+    Raises:
+        ValueError: an unknown dtype or offsets outside or inconsistent with the buffer.
+    """
     import torch
 
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size < 8:
-            raise ValueError(f"{size} bytes is too short for a safetensors file")
-        # Copy-on-write: reading shares the page cache; a stray write would touch a
-        # private page, never the file (and never fault).
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-    header, meta, base = _read_header(mm, size)
     st_dtypes = _st_dtypes()
     tensors: dict[str, torch.Tensor] = {}
     for name, info in header.items():
@@ -325,7 +348,7 @@ def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
             continue
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin)
         tensors[name] = flat.view(dtype).reshape(shape)
-    return meta, tensors
+    return tensors
 
 
 def read_chunk_file(

@@ -1,7 +1,9 @@
 """Garbage collection and the disk tier's policy, on top of :class:`~.store.Store`'s public methods.
 
 :func:`collect_garbage` reconciles the index with the files under ``kv/``.
-It finds, and unless ``dry_run`` removes:
+It first removes what Stores that are provably gone left behind
+(:meth:`Store.remove_debris`, no grace period), then finds, and unless
+``dry_run`` removes:
 
 - temp files (``.tmp-*``) older than the grace period: a writer that died;
 - orphan files: a chunk file with no index row, older than the grace period
@@ -12,6 +14,11 @@ It finds, and unless ``dry_run`` removes:
 - unreferenced rows: a chunk no session uses.
 
 Quarantined files are reported by :meth:`Store.disk_usage` and never deleted here.
+
+When the index looks lost (:meth:`Store.index_lost`: created new, or empty,
+while chunk files are on disk), every chunk file would look like an orphan:
+gc then keeps them (``report.orphans_kept``), says why in
+``report.index_lost`` and logs a warning, unless called with ``force``.
 
 :func:`enforce_disk_policy` applies a :class:`DiskPolicy` (a TTL on idle
 sessions' KV, a budget for chunk bytes) and then collects garbage. Histories
@@ -55,17 +62,25 @@ def _old(p: Path, cutoff: float) -> bool:
         return False
 
 
-def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 600.0) -> GcReport:
+def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 600.0,
+                    force: bool = False) -> GcReport:
     """Scan ``store`` and return a :class:`GcReport`; remove what it lists unless ``dry_run``.
 
     Files younger than ``grace_s`` seconds are spared (a save may be in
-    flight). Dangling rows are quarantined (see :meth:`Store.quarantine_chunk`);
+    flight), except those of Stores that are provably gone, removed first.
+    Dangling rows are quarantined (see :meth:`Store.quarantine_chunk`);
     unreferenced rows and their files go through
     :meth:`Store.drop_unreferenced_chunks`, which re-checks under the write
-    lock, so a chunk a concurrent save starts using again is kept. A dry run
-    changes nothing.
+    lock, so a chunk a concurrent save starts using again is kept. Orphan
+    files are kept while the index looks lost, unless ``force`` (which then
+    also clears the lost-index record). A dry run changes nothing.
     """
     report = GcReport(dry_run=dry_run)
+    if not dry_run:
+        report.debris = store.remove_debris()
+        report.files_removed += report.debris.files_removed
+        report.bytes_reclaimed += report.debris.bytes_removed
+    report.index_lost = store.index_lost()
     cutoff = time.time() - grace_s
     usage = store.chunk_usage()
     rows = {u.hash: u.relpath for u in usage}
@@ -83,12 +98,16 @@ def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 60
             report.dangling_chunks.append(ChunkHash(u.hash))
         elif u.n_refs == 0:
             report.unreferenced_chunks.append(ChunkHash(u.hash))
-    report.reclaimable_bytes = (sum(_size(p) for p in report.orphan_files + report.temp_files)
+    report.orphans_kept = bool(report.index_lost and report.orphan_files) and not force
+    doomed = report.temp_files + ([] if report.orphans_kept else report.orphan_files)
+    report.reclaimable_bytes = (sum(_size(p) for p in doomed)
                                 + sum(_size(store.home / rows[h]) for h in report.unreferenced_chunks))
+    if report.orphans_kept and report.orphan_files:
+        log.warning("gc: keeping %d orphan chunk files: %s", len(report.orphan_files), report.index_lost)
     if dry_run:
         return report
 
-    for p in report.temp_files + report.orphan_files:
+    for p in doomed:
         size = _size(p)
         try:
             p.unlink()
@@ -109,6 +128,8 @@ def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 60
                   len(report.unreferenced_chunks), removed.files_removed, removed.bytes_removed)
         report.files_removed += removed.files_removed
         report.bytes_reclaimed += removed.bytes_removed
+    if report.index_lost and force:
+        store.forget_lost_index()
     return report
 
 
@@ -145,9 +166,13 @@ class DiskGcReport:
     the bytes only those sessions use). The file and chunk counts are
     :func:`collect_garbage`'s; ``bytes_reclaimed`` adds everything up.
     ``disk_bytes_*`` are the chunk files' bytes on disk before and after.
+    ``index_lost`` and ``orphans_kept`` are :func:`collect_garbage`'s: the
+    index looks lost, so orphan files were kept.
     """
 
     dry_run: bool
+    index_lost: str | None = None
+    orphans_kept: bool = False
     expired_sessions: list[str] = field(default_factory=list)
     expired_bytes: int = 0
     over_budget_sessions: list[str] = field(default_factory=list)
@@ -169,7 +194,7 @@ def _aware(t: datetime) -> datetime:
 
 def enforce_disk_policy(
     store: "Store", policy: DiskPolicy | None = None, *, dry_run: bool = False, grace_s: float = 600.0,
-    now: datetime | None = None, skip: Iterable[str] = (),
+    now: datetime | None = None, skip: Iterable[str] = (), force: bool = False,
 ) -> DiskGcReport:
     """Enforce the disk tier, then collect garbage; return what was (or would be) freed.
 
@@ -177,7 +202,7 @@ def enforce_disk_policy(
     (as of ``now``, default the current time); then, while the index's chunk
     bytes exceed ``policy.disk_budget_bytes``, drop the KV of the least
     recently used remaining session; then :func:`collect_garbage` with
-    ``grace_s``. Dropping KV is :meth:`Store.invalidate_kv`: histories are
+    ``grace_s`` and ``force``. Dropping KV is :meth:`Store.invalidate_kv`: histories are
     never deleted. Sessions in ``skip``, sessions without KV, and sessions
     another live owner holds a lease on are left alone, so this is safe while
     apps use the store. With ``dry_run`` nothing changes and the report says
@@ -224,7 +249,9 @@ def enforce_disk_policy(
                 report.over_budget_sessions.append(info.id)
                 report.over_budget_bytes += got
                 usage -= got
-    gc = collect_garbage(store, dry_run=dry_run, grace_s=grace_s)
+    gc = collect_garbage(store, dry_run=dry_run, grace_s=grace_s, force=force)
+    report.index_lost = gc.index_lost
+    report.orphans_kept = gc.orphans_kept
     report.orphan_files = len(gc.orphan_files)
     report.temp_files = len(gc.temp_files)
     report.dangling_chunks = len(gc.dangling_chunks)

@@ -21,13 +21,14 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     insert,
     inspect,
     select,
 )
 from sqlalchemy.engine import Connection, Engine
 
-from .errors import SchemaVersionError
+from .errors import SchemaVersionError, StorageError
 from .schema import Base, SchemaVersionRow, utcnow
 
 
@@ -67,12 +68,37 @@ def _v3_message_flags(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE chatkv_messages ADD COLUMN flags INTEGER NOT NULL DEFAULT 0")
 
 
+def _v4_provenance_and_debris(conn: Connection) -> None:
+    md = MetaData()
+    Table(
+        "chatkv_pending_files",
+        md,
+        Column("token", String(32), primary_key=True),
+        Column("chunk_hash", String(64), primary_key=True),
+        Column("created_at", DateTime, nullable=False),
+    )
+    Table(
+        "chatkv_meta",
+        md,
+        Column("key", String(64), primary_key=True),
+        Column("value", Text, nullable=False),
+        Column("updated_at", DateTime, nullable=False),
+    )
+    md.create_all(conn)
+    # Rows indexed before v4 cannot be told apart: most came from save_kv, and
+    # an import back then was trusted the same way, so they keep that trust.
+    conn.exec_driver_sql("ALTER TABLE chatkv_chunks ADD COLUMN verified BOOLEAN NOT NULL DEFAULT TRUE")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
     Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
     Migration(3, "messages.flags (bit 0: a reply cut short)", _v3_message_flags),
+    Migration(4, "chunks.verified; pending files (crash debris); meta (lost index)", _v4_provenance_and_debris),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
+#: The oldest schema a read-only Store (which cannot migrate) still lists and shows.
+READ_ONLY_MIN_VERSION = 3
 
 
 def current_version(conn: Connection) -> int | None:
@@ -131,3 +157,27 @@ def upgrade(engine: Engine) -> int:
                 )
             )
     return before
+
+
+def readable_version(engine: Engine) -> int:
+    """The schema version of an index opened read-only (nothing is created or migrated).
+
+    A version from :data:`READ_ONLY_MIN_VERSION` up is returned as is; the
+    Store reads it as far as it can (listing and showing sessions).
+
+    Raises:
+        StorageError: the database has no chatkv tables.
+        SchemaVersionError: it is newer than this chatkv, or not a chatkv index.
+    """
+    with engine.connect() as conn:
+        version = current_version(conn)
+    where = engine.url.render_as_string(hide_password=True)
+    if version is None:
+        raise StorageError(f"the index at {where} has no chatkv tables (and cannot be created read-only)")
+    if version < READ_ONLY_MIN_VERSION:
+        raise StorageError(f"the index at {where} has schema version {version}, too old to read without "
+                           "migrating it; open it once where it is writable")
+    if version > LATEST_VERSION:
+        raise SchemaVersionError(f"the index at {where} has schema version {version}, newer than "
+                                 f"this chatkv understands ({LATEST_VERSION}); upgrade chatkv")
+    return version

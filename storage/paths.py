@@ -5,11 +5,19 @@ Layout::
     <home>/index.db                  default SQLite index (CHATKV_DB_URL overrides)
     <home>/kv/<h[:2]>/<h>.safetensors  content-addressed chunk files
     <home>/quarantine/               chunk files that failed verification
+    <home>/owners/<token>.lock       one per open Store, flock()ed while it lives
+
+Temporary files are named ``.tmp-<token>.<final name>.<random>`` where
+``<token>`` is the writing Store's :func:`owner token <tmp_token>`, so once
+that Store is provably gone (its lock file can be locked) they are removed at
+once instead of after gc's grace period.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 from pathlib import Path
 
 from .hashing import ChunkHash
@@ -20,6 +28,10 @@ KV_DIR = "kv"
 QUARANTINE_DIR = "quarantine"
 CHUNK_SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
+OWNERS_DIR = "owners"
+LOCK_SUFFIX = ".lock"
+#: A Store's owner token: 16 lowercase hex digits (see :func:`tmp_name`).
+TOKEN_RE = re.compile(r"[0-9a-f]{16}")
 
 
 def default_home() -> Path:
@@ -40,3 +52,21 @@ def default_db_url(home: Path) -> str:
 def chunk_relpath(h: ChunkHash) -> str:
     """Path of a chunk file relative to the home, with ``/`` separators."""
     return f"{KV_DIR}/{h[:2]}/{h}{CHUNK_SUFFIX}"
+
+
+def tmp_name(final_name: str, token: str | None = None) -> str:
+    """A temporary file name for writing ``final_name``: ``.tmp-[<token>.]<final_name>.<random>``.
+
+    Files carrying a ``token`` can be attributed to the Store that wrote them
+    (see :mod:`.owners`); without one, only gc's grace period removes them.
+    """
+    tag = f"{token}." if token else ""
+    return f"{TMP_PREFIX}{tag}{final_name}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def tmp_token(name: str) -> str | None:
+    """The owner token in a temporary file's name, or None (not a temp file, or written without one)."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    head = name[len(TMP_PREFIX):].partition(".")[0]
+    return head if TOKEN_RE.fullmatch(head) else None

@@ -32,6 +32,10 @@ class SessionInfo:
     kv_bytes: int
     tier: str
     kv_generation: int
+    #: False while any of its KV chunks came from an import and has not been
+    #: checked against the model (:meth:`Store.mark_kv_verified`); a caller
+    #: must verify or drop such KV before using it. True when there is no KV.
+    kv_verified: bool = True
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class ChunkInfo:
     dtype: str
     block_size: int
     written: int = 0
+    #: The tensors came from the model's engine (``save_kv``) or were checked
+    #: against it; False for a chunk only an import vouches for.
+    verified: bool = True
 
 
 @dataclass(frozen=True)
@@ -161,10 +168,36 @@ class DiskUsage:
 
 
 @dataclass
+class DebrisReport:
+    """Leftovers of Stores that are provably gone, removed at once (see :meth:`Store.remove_debris`).
+
+    ``owners`` are the gone Stores' tokens; ``temp_files`` their temp files;
+    ``chunk_files`` chunk files they wrote or dropped and never indexed or unlinked.
+    """
+
+    owners: list[str] = field(default_factory=list)
+    temp_files: list[Path] = field(default_factory=list)
+    chunk_files: list[Path] = field(default_factory=list)
+    bytes_removed: int = 0
+
+    @property
+    def files_removed(self) -> int:
+        return len(self.temp_files) + len(self.chunk_files)
+
+
+@dataclass
 class GcReport:
-    """What :func:`~chatkv.storage.gc.collect_garbage` found, and (unless ``dry_run``) removed."""
+    """What :func:`~chatkv.storage.gc.collect_garbage` found, and (unless ``dry_run``) removed.
+
+    ``index_lost`` is a message when the index looks lost (see
+    :meth:`Store.index_lost`); then ``orphans_kept`` is true unless gc was
+    forced: the orphan files are listed but not removed.
+    """
 
     dry_run: bool
+    index_lost: str | None = None
+    orphans_kept: bool = False
+    debris: DebrisReport = field(default_factory=DebrisReport)
     orphan_files: list[Path] = field(default_factory=list)
     temp_files: list[Path] = field(default_factory=list)
     dangling_chunks: list[ChunkHash] = field(default_factory=list)

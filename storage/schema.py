@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import (
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -116,6 +118,9 @@ class ChunkRow(Base):
     dtype: Mapped[str] = mapped_column(String(32))
     block_size: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: v4: the tensors were written by the model's own engine (``save_kv``) or
+    #: checked against it (``Store.mark_kv_verified``); false for imported KV.
+    verified: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class SessionChunkRow(Base):
@@ -139,3 +144,32 @@ class LeaseRow(Base):
     acquired_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     renewed_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class PendingFileRow(Base):
+    """v4: a chunk file a Store may leave on disk without an index row, until it commits or unlinks.
+
+    Recorded before the file is written (or in the commit that drops the
+    chunk's row), deleted once the file is indexed or gone. When the Store
+    named by ``token`` is provably gone (:mod:`.owners`), its rows say which
+    orphan files it left, so they are removed at once.
+    """
+
+    __tablename__ = "chatkv_pending_files"
+    token: Mapped[str] = mapped_column(String(32), primary_key=True)
+    chunk_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class MetaRow(Base):
+    """v4: facts about the index itself, by key (e.g. :data:`META_INDEX_LOST`)."""
+
+    __tablename__ = "chatkv_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+#: Set when this index was created over a home that already held chunk files
+#: (the previous index was deleted or emptied): gc keeps orphans until cleared.
+META_INDEX_LOST = "index_lost"

@@ -25,17 +25,17 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, false, func, literal, not_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import leases
+from . import leases, owners
 from .chunkfile import (
     ChunkFile,
     ChunkMeta,
@@ -45,7 +45,7 @@ from .chunkfile import (
     read_chunk_file,
     read_safetensors_metadata,
 )
-from .db import make_engine
+from .db import make_engine, open_read_only, sqlite_path
 from .errors import (
     CorruptChunkError,
     FingerprintMismatchError,
@@ -57,7 +57,8 @@ from .errors import (
 )
 from .hashing import ChunkHash, chunk_hash, pack_token_ids, unpack_token_ids
 from .ids import validate_session_id
-from .migrations import upgrade
+from .migrations import LATEST_VERSION, readable_version, upgrade
+from .upkeep import StoreUpkeep
 from .paths import (
     CHUNK_SUFFIX,
     KV_DIR,
@@ -69,6 +70,7 @@ from .paths import (
 from .records import (
     ChunkInfo,
     ChunkUsage,
+    DebrisReport,
     DiskUsage,
     LoadedChunk,
     MessageRecord,
@@ -80,7 +82,17 @@ from .records import (
     SessionInfo,
     SessionKV,
 )
-from .schema import MESSAGE_OUTSIDE_WINDOW, MESSAGE_PARTIAL, ChunkRow, LeaseRow, MessageRow, SessionChunkRow, SessionRow, utcnow
+from .schema import (
+    MESSAGE_OUTSIDE_WINDOW,
+    MESSAGE_PARTIAL,
+    ChunkRow,
+    LeaseRow,
+    MessageRow,
+    PendingFileRow,
+    SessionChunkRow,
+    SessionRow,
+    utcnow,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +117,7 @@ def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
         hash=ChunkHash(row.hash), parent=ChunkHash(row.parent) if row.parent else None,
         relpath=row.relpath, n_tokens=row.n_tokens, bytes=row.bytes, fingerprint=row.fingerprint,
         kv_format=row.kv_format, quant=row.quant, dtype=row.dtype, block_size=row.block_size,
-        written=written,
+        written=written, verified=bool(row.verified),
     )
 
 
@@ -114,7 +126,7 @@ def chunk_row(info: ChunkInfo) -> ChunkRow:
     return ChunkRow(
         hash=info.hash, parent=info.parent, relpath=info.relpath, n_tokens=info.n_tokens,
         bytes=info.bytes, fingerprint=info.fingerprint, kv_format=info.kv_format, quant=info.quant,
-        dtype=info.dtype, block_size=info.block_size, created_at=utcnow(),
+        dtype=info.dtype, block_size=info.block_size, created_at=utcnow(), verified=info.verified,
     )
 
 
@@ -122,6 +134,8 @@ def chunk_row(info: ChunkInfo) -> ChunkRow:
 class _Prepared:
     """Chunks checked and written by :meth:`Store._write_chunks`, waiting for their commit."""
 
+    trusted: bool = True
+    """The new chunks' tensors come from the model's engine (not from an import)."""
     infos: list[ChunkInfo] = field(default_factory=list)
     payload: dict[str, tuple[list[int], NewChunk]] = field(default_factory=dict)
     written: int = 0
@@ -133,6 +147,12 @@ def _count_of(model: Any, *where: Any) -> Any:
             .correlate(SessionRow).scalar_subquery())
 
 
+#: The session links a chunk only an import vouches for.
+_HAS_UNVERIFIED = (select(SessionChunkRow.session_id)
+                   .join(ChunkRow, ChunkRow.hash == SessionChunkRow.chunk_hash)
+                   .where(SessionChunkRow.session_id == SessionRow.id, ChunkRow.verified == false())
+                   .correlate(SessionRow).exists())
+
 #: One row per session, in :class:`SessionInfo` field order. The counts are
 #: correlated subqueries (index lookups), so listing N sessions is one
 #: statement, and the token-id blob is never read.
@@ -140,16 +160,29 @@ _INFO_COLUMNS = (
     SessionRow.id, SessionRow.fingerprint, SessionRow.system_prompt, SessionRow.created_at,
     SessionRow.updated_at, SessionRow.last_used_at, SessionRow.n_cached,
     _count_of(MessageRow), _count_of(MessageRow, MessageRow.role == "user"), _count_of(SessionChunkRow),
-    SessionRow.kv_bytes, SessionRow.tier, SessionRow.kv_generation,
+    SessionRow.kv_bytes, SessionRow.tier, SessionRow.kv_generation, not_(_HAS_UNVERIFIED),
 )
+#: The same, for a read-only index older than schema v4 (which could not be migrated).
+_INFO_COLUMNS_V3 = (*_INFO_COLUMNS[:-1], literal(True))
 
 
-def _session_infos(s: Session, *where: Any) -> list[SessionInfo]:
-    q = select(*_INFO_COLUMNS).where(*where).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
-    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:]) for r in s.execute(q)]
+def _session_infos(s: Session, *where: Any, schema: int = LATEST_VERSION) -> list[SessionInfo]:
+    cols = _INFO_COLUMNS if schema >= 4 else _INFO_COLUMNS_V3
+    q = select(*cols).where(*where).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
+    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:13], bool(r[13])) for r in s.execute(q)]
 
 
-class Store:
+def _index_is_read_only(home: Path, db_url: str) -> bool:
+    """The home exists but this process cannot write it (or the SQLite index file in it)."""
+    if not home.exists():
+        return False
+    if not os.access(home, os.W_OK):
+        return True
+    path = sqlite_path(db_url)
+    return bool(path and os.path.exists(path) and not os.access(path, os.W_OK))
+
+
+class Store(StoreUpkeep):
     """Durable sessions: the SQLAlchemy index plus content-addressed chunk files.
 
     Args:
@@ -162,13 +195,23 @@ class Store:
         clock: the current time (aware UTC) by which this Store judges whether
             another owner's lease has expired; default the system clock. Tests
             pass a fixed or advanced clock instead of sleeping past an expiry.
+        read_only: open without writing anything (no home, tables, migrations,
+            lock file or cleanup; an SQLite index is opened read-only). Default:
+            when the home (or its index file) exists but is not writable, so
+            ``sessions ls`` and ``show`` work on a read-only home. Every write
+            then fails with :class:`StorageWriteError`.
 
-    Side effects: creates the home, the index tables, and runs pending schema
-    migrations. Thread-safe (one SQLAlchemy session per call).
+    Side effects (unless read-only): creates the home, the index tables, runs
+    pending schema migrations, takes this Store's owner lock
+    (``owners/<token>.lock``) and removes the leftovers of Stores that are
+    provably gone (:attr:`debris_removed`). An index created over a home that
+    already holds chunk files is recorded as lost (:meth:`index_lost`), so gc
+    keeps those files. Thread-safe (one SQLAlchemy session per call).
 
     Raises:
         StorageWriteError: the home cannot be created.
         SchemaVersionError: the index is newer than this chatkv, or not chatkv's.
+        StorageError: the index cannot be opened (a read-only home without one, a damaged file).
     """
 
     def __init__(
@@ -179,26 +222,53 @@ class Store:
         owner: str | None = None,
         lease_ttl_s: float = 30.0,
         clock: Callable[[], datetime] = utcnow,
+        read_only: bool | None = None,
     ) -> None:
         self.home = Path(home).expanduser() if home is not None else default_home()
-        ensure_dir(self.home)
+        self.db_url = db_url or default_db_url(self.home)
+        self.read_only = _index_is_read_only(self.home, self.db_url) if read_only is None else read_only
+        """Nothing is written: a home this process cannot write (or ``read_only=True``)."""
+        if not self.read_only:
+            ensure_dir(self.home)
         self.kv_dir = self.home / KV_DIR
         self.quarantine_dir = self.home / QUARANTINE_DIR
-        self.db_url = db_url or default_db_url(self.home)
         self.owner = owner or leases.make_owner_id()
+        self.token = owners.new_token()
+        """This Store's owner token: it names its temp files, pending files and lock file."""
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
-        self.engine = make_engine(self.db_url)
-        self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._leases: dict[str, leases.Lease] = {}
         self._lock = threading.Lock()
+        self._owner_lock: owners.OwnerLock | None = None
         self.bytes_written = 0
         """Bytes of chunk files this Store wrote since it was opened."""
+        self.index_created = False
+        """This Store created the index's tables (the database was missing, empty or truncated)."""
+        self.debris_removed = DebrisReport()
+        """What opening removed: the leftovers of Stores that are provably gone."""
+        self.engine = open_read_only(self.db_url, self.home) if self.read_only else make_engine(self.db_url)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
         try:
-            upgrade(self.engine)
+            if self.read_only:
+                self._schema = readable_version(self.engine)
+            else:
+                self.index_created = upgrade(self.engine) == 0
+                self._schema = LATEST_VERSION
         except SQLAlchemyError as e:
             self.engine.dispose()
             raise StorageError(f"cannot open the index at {self.db_url}: {e}") from e
+        except StorageError:
+            self.engine.dispose()
+            raise
+        if self.read_only:
+            return
+        if self.index_created:
+            self._note_new_index()
+        self._owner_lock = owners.OwnerLock(self.home, self.token, self.owner)
+        try:
+            self.debris_removed = self.remove_debris()
+        except StorageError as e:  # a busy or failing index: the leftovers wait for the next open or gc
+            log.warning("could not remove the leftovers of stopped chatkv processes now: %s", e)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -212,15 +282,23 @@ class Store:
             raise cls(f"index {'write' if write else 'read'} failed: {e}") from e
 
     def close(self) -> None:
-        """Release this Store's leases and its database connections. Idempotent."""
+        """Release this Store's leases, remove chunk files it wrote for saves that
+        never committed, drop its owner lock and its database connections. Idempotent."""
         with self._lock:
             held = list(self._leases.values())
             self._leases.clear()
+            lock, self._owner_lock = self._owner_lock, None
         for lease in held:
             try:
                 lease.release()
             except Exception as e:  # the row then lapses at its expiry; closing must go on
                 log.warning("could not release the lease on session %r while closing: %s", lease.session_id, e)
+        if lock is not None:
+            try:
+                self._reap_pending({self.token})
+            except StorageError as e:  # they stay recorded; the next open removes them
+                log.warning("could not remove this store's uncommitted chunk files while closing: %s", e)
+            lock.release()
         self.engine.dispose()
 
     def __enter__(self) -> "Store":
@@ -239,7 +317,7 @@ class Store:
         return row
 
     def _session_info(self, s: Session, session_id: str) -> SessionInfo:
-        found = _session_infos(s, SessionRow.id == validate_session_id(session_id))
+        found = _session_infos(s, SessionRow.id == validate_session_id(session_id), schema=self._schema)
         if not found:
             raise SessionNotFoundError(f"no session {session_id!r}")
         return found[0]
@@ -303,7 +381,7 @@ class Store:
     def list_sessions(self) -> list[SessionInfo]:
         """All sessions, most recently used first, read in one query (no per-session round trips)."""
         with self._tx(write=False) as s:
-            return _session_infos(s)
+            return _session_infos(s, schema=self._schema)
 
     def touch(self, session_id: str, *, tier: str | None = None) -> None:
         """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage)."""
@@ -433,32 +511,58 @@ class Store:
         """Write one chunk file (atomically, durably) unless it already exists.
 
         The hash is ``chunk_hash(parent, token_ids, meta.fingerprint, meta.kv_format)``.
-        No index row is written here: :meth:`save_kv` commits it. An existing
-        file is not rewritten (dedup; ``written == 0``) but its mtime is
-        refreshed so gc's grace period protects it until the commit.
+        No index row is written here: :meth:`save_kv` commits it. The file is
+        first recorded as pending for this Store (so if the process dies
+        before the commit, the next Store to open removes it at once). An
+        existing file is not rewritten (dedup; ``written == 0``) but its mtime
+        is refreshed so gc's grace period protects it until the commit (which
+        rewrites it from the payload if no row names it: see :meth:`save_kv`).
 
         Raises:
             StorageWriteError: disk full, read-only home, I/O error (no temp file left).
         """
         ids = [int(t) for t in token_ids]
         h = chunk_hash(parent, ids, meta.fingerprint, meta.kv_format)
+        return self._write_file(h, parent, ids, tensors, meta, self._note_pending([h]).get(h))
+
+    def _write_file(self, h: ChunkHash, parent: ChunkHash | None, ids: list[int],
+                    tensors: Mapping[str, torch.Tensor], meta: ChunkMeta, indexed_bytes: int | None) -> ChunkInfo:
         rel = chunk_relpath(h)
         path = self.home / rel
-        with self._tx(write=False) as s:
-            row = s.get(ChunkRow, h)
         try:
             st = path.stat()
-            if row is None or st.st_size == row.bytes:
+            if indexed_bytes is None or st.st_size == indexed_bytes:
                 os.utime(path)
                 return ChunkInfo(h, parent, rel, len(ids), st.st_size, meta.fingerprint, meta.kv_format,
                                  meta.quant, meta.dtype, int(meta.block_size), 0)
         except FileNotFoundError:  # not on disk yet: write it below
             pass
         data = encode_chunk(h, parent, ids, tensors, meta)
-        atomic_write(path, data)
+        atomic_write(path, data, token=self.token)
         self.bytes_written += len(data)
         return ChunkInfo(h, parent, rel, len(ids), len(data), meta.fingerprint, meta.kv_format,
                          meta.quant, meta.dtype, int(meta.block_size), len(data))
+
+    def _note_pending(self, hashes: Sequence[str]) -> dict[str, int]:
+        """Record ``hashes`` as files this Store may leave unindexed; return the indexed ones' sizes.
+
+        One transaction, before any of the files is written.
+        """
+        if not hashes:
+            return {}
+        wanted = set(hashes)
+        with self._tx() as s:
+            sizes = {h: int(b) for h, b in s.execute(select(ChunkRow.hash, ChunkRow.bytes)
+                                                      .where(ChunkRow.hash.in_(wanted)))}
+            self._add_pending(s, wanted)
+        return sizes
+
+    def _add_pending(self, s: Session, hashes: Iterable[str]) -> None:
+        wanted = set(hashes)
+        have = set(s.scalars(select(PendingFileRow.chunk_hash).where(
+            PendingFileRow.token == self.token, PendingFileRow.chunk_hash.in_(wanted))))
+        now = utcnow()
+        s.add_all(PendingFileRow(token=self.token, chunk_hash=h, created_at=now) for h in sorted(wanted - have))
 
     def has_chunk(self, h: str) -> bool:
         """True if an index row names chunk ``h``."""
@@ -554,7 +658,11 @@ class Store:
         one may be partial (the tail). Each chunk's hash must chain:
         ``chunk_hash(previous hash, its slice of token_ids, fingerprint, kv_format)``.
         Files are durable before the commit; chunks that lose their last
-        reference are removed from disk after it.
+        reference are removed from disk after it; if the commit fails, the
+        files this call wrote are removed again. The KV is the engine's own,
+        so its chunks are verified: a new chunk whose file exists without a
+        row, or whose row only an import vouches for, is written again from
+        the payload rather than reused.
 
         Raises:
             ValueError: the chunks do not chain over ``token_ids`` or fingerprints differ.
@@ -564,13 +672,17 @@ class Store:
         ids = [int(t) for t in token_ids]
         validate_session_id(session_id)
         prep = self._write_chunks(ids, fingerprint, chunks)
-        with self._tx() as s:
-            row = self._get(s, session_id)
-            self._check_lease(s, session_id)
-            rewritten = self._index_chunks(s, prep)
-            s.flush()
-            dead = self._set_links(s, row, prep.infos, ids, fingerprint)
-            gen = row.kv_generation
+        try:
+            with self._tx() as s:
+                row = self._get(s, session_id)
+                self._check_lease(s, session_id)
+                rewritten = self._index_chunks(s, prep)
+                s.flush()
+                dead = self._set_links(s, row, prep.infos, ids, fingerprint)
+                gen = row.kv_generation
+        except BaseException:
+            self._discard(prep)
+            raise
         removed = self._unlink_if_unindexed(dead)
         return SaveResult(session_id, gen, len(ids), prep.infos, prep.written + rewritten, prep.files_written,
                           removed.files_removed, removed.bytes_removed)
@@ -579,7 +691,7 @@ class Store:
         self, session_id: str, *, fingerprint: str | None = None, system_prompt: str | None = None,
         created_at: datetime | None = None, messages: Sequence[NewMessage] = (),
         token_ids: Sequence[int] = (), chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk] = (),
-        replace: bool = False,
+        replace: bool = False, kv_verified: bool = True,
     ) -> SessionInfo:
         """Create a session with its whole history and KV in one transaction (what an import needs).
 
@@ -590,7 +702,14 @@ class Store:
         part of the session. With ``replace``, an existing session of that id
         is replaced within the same transaction (this Store's lease on it, if
         any, stays), and its chunk files no other session uses are removed
-        after the commit.
+        after the commit. If the commit fails, the files this call wrote are
+        removed again and the old session, if any, is untouched.
+
+        With ``kv_verified=False`` (an import) the new chunks' rows say only
+        an import vouches for them: the session reports ``kv_verified`` False
+        until :meth:`mark_kv_verified`, and a later :meth:`save_kv` of the same
+        chunk by the engine replaces its file instead of reusing it. A chunk
+        already indexed is reused as it is (its tensors are the engine's).
 
         Raises:
             SessionExistsError: the id exists and ``replace`` is false (checked
@@ -608,7 +727,21 @@ class Store:
             raise ValueError("chunks need the fingerprint they were made under")
         if not replace and self.has_session(session_id):
             raise SessionExistsError(f"session {session_id!r} exists")
-        prep = self._write_chunks(ids, fingerprint or "", chunks)
+        with self._tx(write=False) as s:
+            self._check_lease(s, session_id)  # before writing any file
+        prep = self._write_chunks(ids, fingerprint or "", chunks, trusted=kv_verified)
+        try:
+            dead = self._commit_session(session_id, prep, ids, fingerprint=fingerprint, system_prompt=system_prompt,
+                                        created_at=created_at, messages=messages, replace=replace)
+        except BaseException:
+            self._discard(prep)
+            raise
+        self._unlink_if_unindexed(dead)
+        return self.get_session(session_id)
+
+    def _commit_session(self, session_id: str, prep: _Prepared, ids: list[int], *, fingerprint: str | None,
+                        system_prompt: str | None, created_at: datetime | None, messages: Sequence[NewMessage],
+                        replace: bool) -> list[_Dead]:
         now = utcnow()
         with self._tx() as s:
             self._check_lease(s, session_id)
@@ -638,14 +771,18 @@ class Store:
             s.flush()
             if prep.infos:
                 self._set_links(s, row, prep.infos, ids, fingerprint)
-            dead = self._drop_unreferenced(s, old_hashes - {i.hash for i in prep.infos})
-        self._unlink_if_unindexed(dead)
-        return self.get_session(session_id)
+            return self._drop_unreferenced(s, old_hashes - {i.hash for i in prep.infos})
 
     def _write_chunks(self, ids: list[int], fingerprint: str,
-                      chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk]) -> _Prepared:
-        """Check that ``chunks`` chain over ``ids`` and write the new ones' files (before any commit)."""
-        prep = _Prepared()
+                      chunks: Sequence[ChunkHash | str | ChunkInfo | NewChunk], *, trusted: bool = True) -> _Prepared:
+        """Check that ``chunks`` chain over ``ids`` and write the new ones' files (before any commit).
+
+        Everything is checked before the first file is written; the new files
+        are recorded as pending for this Store first. If a write fails, the
+        files already written are removed again.
+        """
+        prep = _Prepared(trusted=trusted)
+        plan: list[tuple[ChunkInfo | NewChunk, list[int], ChunkHash, ChunkHash | None]] = []
         parent: ChunkHash | None = None
         off = 0
         for c in chunks:
@@ -655,10 +792,8 @@ class Store:
                 piece = ids[off: off + c.n_tokens]
                 if len(piece) != c.n_tokens or c.n_tokens <= 0:
                     raise ValueError(f"chunk of {c.n_tokens} tokens does not fit at offset {off} of {len(ids)}")
-                info = self.write_chunk(piece, c.tensors, c.meta, parent=parent)
-                prep.payload[info.hash] = (piece, c)
-                prep.written += info.written
-                prep.files_written += info.written > 0
+                h = chunk_hash(parent, piece, fingerprint, c.meta.kv_format)
+                plan.append((c, piece, h, parent))
             else:
                 info = c if isinstance(c, ChunkInfo) else self._chunk_info(c)
                 piece = ids[off: off + info.n_tokens]
@@ -666,35 +801,85 @@ class Store:
                     raise ValueError(f"chunk {info.hash[:12]} has fingerprint {info.fingerprint!r}, not {fingerprint!r}")
                 if len(piece) != info.n_tokens or chunk_hash(parent, piece, fingerprint, info.kv_format) != info.hash:
                     raise ValueError(f"chunk {info.hash[:12]} does not match token_ids[{off}:{off + info.n_tokens}]")
-            if info.parent != parent:
-                raise ValueError(f"chunk {info.hash[:12]} does not chain from {parent}")
-            prep.infos.append(info)
-            parent = info.hash
-            off += info.n_tokens
+                if info.parent != parent:
+                    raise ValueError(f"chunk {info.hash[:12]} does not chain from {parent}")
+                h = info.hash
+                plan.append((info, piece, h, parent))
+            parent = h
+            off += len(piece)
         if off != len(ids):
             raise ValueError(f"chunks cover {off} tokens but token_ids has {len(ids)}")
+        indexed = self._note_pending([h for c, _, h, _ in plan if isinstance(c, NewChunk)])
+        try:
+            for c, piece, h, parent in plan:
+                if isinstance(c, NewChunk):
+                    info = self._write_file(h, parent, piece, c.tensors, c.meta, indexed.get(h))
+                    prep.payload[h] = (piece, c)
+                    prep.written += info.written
+                    prep.files_written += info.written > 0
+                else:
+                    info = c
+                prep.infos.append(info)
+        except BaseException:
+            self._discard(prep)
+            raise
         return prep
 
     def _index_chunks(self, s: Session, prep: _Prepared) -> int:
         """Add rows for ``prep``'s chunks not indexed yet; return bytes of files rewritten.
 
-        A file written by :meth:`_write_chunks` may have been unlinked since
-        by another session's cleanup (it had no row yet); it is written again
-        from its payload, inside the write lock, so the commit never names a
-        missing file.
+        Runs in the commit's transaction (under the write lock). A new chunk's
+        file is written again from its payload when it vanished since (another
+        session's cleanup unlinked it while it had no row), when it was there
+        already without a row (a leftover of unknown origin: a crash, a failed
+        import) or, for the engine's own KV, when its row says only an import
+        vouches for it; so the commit never names a missing or foreign file.
+        Rows of files rewritten for the engine become verified. ``prep.infos``
+        are updated to the indexed facts, and this Store's pending records of
+        them are cleared.
         """
         rewritten = 0
+        final: list[ChunkInfo] = []
         for info in prep.infos:
-            if s.get(ChunkRow, info.hash) is None:
-                if not self.path_of(info).exists():
-                    if info.hash not in prep.payload:
-                        raise MissingChunkError(info.hash, "file vanished before the commit")
-                    piece, c = prep.payload[info.hash]
-                    data = encode_chunk(info.hash, info.parent, piece, c.tensors, c.meta)
-                    atomic_write(self.path_of(info), data)
-                    rewritten += len(data)
+            row = s.get(ChunkRow, info.hash)
+            pay = prep.payload.get(info.hash)
+            if row is None:
+                if pay is not None and (info.written == 0 or not self.path_of(info).exists()):
+                    info = self._rewrite(info, pay)
+                    rewritten += info.bytes
+                elif not self.path_of(info).exists():
+                    raise MissingChunkError(info.hash, "file vanished before the commit")
+                info = replace(info, verified=prep.trusted)
                 s.add(chunk_row(info))
+            else:
+                if pay is not None and (info.written or (prep.trusted and not row.verified)):
+                    if not info.written:
+                        info = self._rewrite(info, pay)
+                        rewritten += info.bytes
+                    row.bytes = info.bytes
+                    row.verified = prep.trusted
+                info = replace(info, bytes=row.bytes, verified=bool(row.verified))
+            final.append(info)
+        prep.infos = final
+        s.execute(delete(PendingFileRow).where(PendingFileRow.token == self.token,
+                                               PendingFileRow.chunk_hash.in_([i.hash for i in final])))
         return rewritten
+
+    def _rewrite(self, info: ChunkInfo, payload: tuple[list[int], NewChunk]) -> ChunkInfo:
+        piece, c = payload
+        data = encode_chunk(info.hash, info.parent, piece, c.tensors, c.meta)
+        atomic_write(self.path_of(info), data, token=self.token)
+        self.bytes_written += len(data)
+        return replace(info, bytes=len(data), written=len(data))
+
+    def _discard(self, prep: _Prepared) -> None:
+        """After a failed save: remove the files it wrote that nothing indexed, and its pending records."""
+        if not prep.payload:
+            return
+        try:
+            self._reap_pending({self.token}, hashes=set(prep.payload))
+        except StorageError as e:  # they stay recorded as this Store's; close() or the next open removes them
+            log.warning("could not remove the chunk files of a failed save now: %s", e)
 
     def _chunk_info(self, h: str) -> ChunkInfo:
         with self._tx(write=False) as s:
@@ -729,13 +914,19 @@ class Store:
         return self._drop_unreferenced(s, old - {i.hash for i in infos})
 
     def _drop_unreferenced(self, s: Session, hashes: set[str]) -> list[_Dead]:
-        """Delete rows of ``hashes`` that no session references; return their (hash, relpath)."""
+        """Delete rows of ``hashes`` that no session references; return their (hash, relpath).
+
+        Their files are recorded as pending for this Store in the same
+        transaction, so if it dies before :meth:`_unlink_if_unindexed` they
+        are still known to be its leftovers.
+        """
         if not hashes:
             return []
         still = set(s.scalars(select(SessionChunkRow.chunk_hash).where(SessionChunkRow.chunk_hash.in_(hashes))))
         dead = [(r.hash, r.relpath) for r in s.scalars(select(ChunkRow).where(ChunkRow.hash.in_(hashes - still)))]
         if dead:
             s.execute(delete(ChunkRow).where(ChunkRow.hash.in_([d[0] for d in dead])))
+            self._add_pending(s, (d[0] for d in dead))
         return dead
 
     def _unlink_if_unindexed(self, dead: Sequence[_Dead]) -> RemoveResult:
@@ -761,6 +952,8 @@ class Store:
                     log.debug("removed unreferenced chunk file %s (%d bytes)", p, size)
                     files += 1
                     nbytes += size
+                s.execute(delete(PendingFileRow).where(PendingFileRow.token == self.token,
+                                                       PendingFileRow.chunk_hash.in_([d[0] for d in dead])))
         except StorageError as e:  # the commit that dropped them stands; gc reclaims the files later
             log.warning("could not remove %d unreferenced chunk files now (gc will): %s", len(dead), e)
         return RemoveResult(files, nbytes)
@@ -857,6 +1050,28 @@ class Store:
             dead = self._set_links(s, row, [], [], None)
             row.fingerprint = None
         return self._unlink_if_unindexed(dead)
+
+    def mark_kv_verified(self, session_id: str, *, kv_generation: int | None = None) -> bool:
+        """Record that the session's KV was checked against the model (e.g. a probe recomputed).
+
+        Marks every chunk the session links as verified, so
+        :attr:`SessionInfo.kv_verified` becomes True (for every session using
+        those chunks). With ``kv_generation`` (the one the check read, from
+        :meth:`get_session`), nothing changes if the KV was replaced since;
+        returns whether it was marked.
+
+        Raises:
+            SessionNotFoundError, SessionLockedError, StorageWriteError.
+        """
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            self._check_lease(s, session_id)
+            if kv_generation is not None and row.kv_generation != kv_generation:
+                return False
+            mine = select(SessionChunkRow.chunk_hash).where(SessionChunkRow.session_id == row.id)
+            s.execute(update(ChunkRow).where(ChunkRow.hash.in_(mine), ChunkRow.verified == false())
+                      .values(verified=True))
+            return True
 
     # ------------------------------------------------------------------ accounting
 

@@ -6,8 +6,10 @@ to fire on its n-th call. There it tells the parent through a pipe and
 blocks; the parent then kills it with SIGKILL. So every kill lands inside
 the save at a known step, with no clock involved. After every kill the store
 must show a state that some save committed (never a torn one), every indexed
-chunk must verify, and gc must clear leftovers. The worker is forked from
-this process so that it starts in milliseconds.
+chunk must verify, and the next Store to open must already have removed the
+dead worker's leftovers (temp files, uncommitted chunk files), without gc's
+grace period: gc then finds nothing. The worker is forked from this process
+so that it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chatkv.storage import GcReport, Store, collect_garbage
+from chatkv.storage import DebrisReport, Store, collect_garbage
 
 from .conftest import CHUNK, FP, kv_files, kv_for, new_chunks
 
@@ -85,11 +87,12 @@ def _worker(home: str, trap: str, nth: int, signal_fd: int) -> None:
         os._exit(0)
 
 
-def _check(home: Path) -> tuple[int, GcReport | None]:
-    """Assert the store is in a committed state; return its message count and what gc removed."""
+def _check(home: Path) -> tuple[int, DebrisReport]:
+    """Assert the store is in a committed state; return its message count and what opening it removed."""
     with Store(home) as st:
+        debris = st.debris_removed
         if not st.has_session(SID):
-            return 0, None
+            return 0, debris
         msgs = st.messages(SID)
         assert [m.content for m in msgs] == [f"m{k}" for k in range(len(msgs))]  # no gaps, no torn rows
         info = st.get_session(SID)
@@ -102,10 +105,12 @@ def _check(home: Path) -> tuple[int, GcReport | None]:
                 assert torch.equal(c.tensors["kv"], kv_for(c.token_ids)["kv"])
             assert [c.info.n_tokens for c in kv.chunks] == [len(kv.token_ids[a:a + CHUNK]) for a in range(0, len(kv.token_ids), CHUNK)]
         assert st.verify_chunks() == []
-        report = collect_garbage(st, dry_run=False, grace_s=0)
+        # the open removed the dead worker's leftovers at once: nothing for gc, even without its grace
         assert not any(p.name.startswith(".tmp-") for p in (home / "kv").rglob("*")) if (home / "kv").exists() else True
         assert len(kv_files(home)) == st.disk_usage().n_chunks  # no orphans left, no dangling rows
-        return len(msgs), report
+        report = collect_garbage(st, dry_run=True, grace_s=0)
+        assert (report.temp_files, report.orphan_files, report.dangling_chunks) == ([], [], [])
+        return len(msgs), debris
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -129,9 +134,60 @@ def test_kill_9_mid_save_never_leaves_a_torn_state(home: Path) -> None:
         p.join()
         assert fired == b"!", f"the {trap} trap (call {nth}) never fired"
         assert p.exitcode == -signal.SIGKILL
-        n, report = _check(home)
+        n, debris = _check(home)
         progress.append(n)
-        leftovers.append(report)
-    # kills really landed mid-save: a dead writer's temp file, a renamed but uncommitted file
-    assert any(r and r.temp_files for r in leftovers) and any(r and r.orphan_files for r in leftovers)
+        leftovers.append(debris)
+    # kills really landed mid-save, and the next open removed what they left: a dead
+    # writer's temp file, a renamed but uncommitted file
+    assert any(d.temp_files for d in leftovers) and any(d.chunk_files for d in leftovers)
     assert progress[-1] >= 5 and progress == sorted(progress)  # workers really saved between kills; history only grows
+
+
+def _fire(ctx, home: Path, trap: str, nth: int):
+    """Start a worker that blocks at ``trap``'s ``nth`` call mid-save; return the process once it is there."""
+    r, w = os.pipe()
+    p = ctx.Process(target=_worker, args=(str(home), trap, nth, w), daemon=True)
+    p.start()
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], 120)
+    fired = os.read(r, 1) if ready else b""
+    os.close(r)
+    assert fired == b"!", f"the {trap} trap (call {nth}) never fired"
+    return p
+
+
+def _leftovers(home: Path, st: Store) -> tuple[list[Path], list[Path]]:
+    """(temp files, chunk files no row names) under kv/."""
+    indexed = {st.path_of(u.hash) for u in st.chunk_usage()}
+    temps = [p for p in (home / "kv").rglob(".tmp-*")]
+    return temps, [p for p in kv_files(home) if p not in indexed]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("trap, nth, kind", [
+    ("rename", 1, "temp"),  # the chunk's temp file is complete, not renamed yet
+    ("fsync", 3, "chunk"),  # renamed into place (its directory's fsync: the 3rd call in a fresh home), not committed
+])
+def test_debris_of_a_killed_save_is_removed_at_the_next_open_and_a_live_save_is_spared(
+    home: Path, trap: str, nth: int, kind: str
+) -> None:
+    ctx = mp.get_context("fork")
+    Store(home).close()
+    p = _fire(ctx, home, trap, nth)
+    try:
+        with Store(home) as st:  # the writer is alive (blocked mid-save): its files are not debris
+            assert st.debris_removed.files_removed == 0
+            temps, orphans = _leftovers(home, st)
+            assert (temps if kind == "temp" else orphans), "the save left nothing to look at"
+            assert collect_garbage(st, dry_run=False).files_removed == 0  # default grace: a save in flight
+            assert _leftovers(home, st) == (temps, orphans)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    with Store(home) as st:  # the writer is gone: what it left goes at once, no grace period
+        removed = st.debris_removed
+        assert (removed.temp_files if kind == "temp" else removed.chunk_files) == (temps if kind == "temp" else orphans)
+        assert _leftovers(home, st) == ([], [])
+        assert not list((home / "owners").glob("*.lock"))[1:]  # only this Store's own lock is left
+        gc = collect_garbage(st, dry_run=True, grace_s=0)
+        assert (gc.temp_files, gc.orphan_files) == ([], [])

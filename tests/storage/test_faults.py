@@ -95,9 +95,7 @@ def test_unwritable_home_is_a_clear_error(tmp_path: Path) -> None:
         Store(blocker / "home")
 
 
-def test_failed_commit_leaves_new_files_as_orphans_that_gc_reclaims(
-    store: Store, home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_commit_removes_the_files_it_wrote(store: Store, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import chatkv.storage.store as store_module
     from sqlalchemy.exc import OperationalError
 
@@ -114,9 +112,36 @@ def test_failed_commit_leaves_new_files_as_orphans_that_gc_reclaims(
         store.save_kv("s", token_ids=longer, fingerprint=FP, chunks=new_chunks(longer))
     monkeypatch.undo()
     assert store.load_kv("s").token_ids == ids  # old state
-    assert len(kv_files(home)) > n  # files were durable before the failed commit
-    extra = len(kv_files(home)) - n
-    assert collect_garbage(store, dry_run=False).files_removed == 0  # inside the grace period: maybe a save in flight
-    report = collect_garbage(store, dry_run=False, grace_s=0)
-    assert report.files_removed == extra == len(report.orphan_files)
-    assert len(kv_files(home)) == n and store.verify_chunks() == []
+    assert len(kv_files(home)) == n  # the files it wrote are gone at once, not left for gc's grace
+    assert collect_garbage(store, dry_run=True, grace_s=0).orphan_files == []
+
+
+def test_files_of_a_failed_commit_that_cannot_be_cleaned_at_once_go_at_close(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import chatkv.storage.store as store_module
+    from sqlalchemy.exc import OperationalError
+
+    store = Store(home)
+    ids = _setup(store)
+    n = len(kv_files(home))
+
+    def fail(*a, **k):
+        raise OperationalError("INSERT", {}, Exception("disk I/O error"))
+
+    def index_down(*a, **k):
+        raise StorageWriteError("index write failed: disk I/O error")
+
+    monkeypatch.setattr(store_module, "chunk_row", fail)
+    monkeypatch.setattr(store_module.Store, "_reap_pending", index_down)
+    longer = ids + list(range(500, 600))
+    with pytest.raises(StorageWriteError):
+        store.save_kv("s", token_ids=longer, fingerprint=FP, chunks=new_chunks(longer))
+    monkeypatch.undo()
+    assert len(kv_files(home)) > n  # still recorded as this Store's pending files
+    with Store(home) as other:  # a live Store's files are not another's to remove
+        assert other.debris_removed.files_removed == 0 and len(kv_files(home)) > n
+    store.close()
+    assert len(kv_files(home)) == n
+    with Store(home) as again:
+        assert again.load_kv("s").token_ids == ids and again.verify_chunks() == []

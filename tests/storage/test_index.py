@@ -8,6 +8,7 @@ from chatkv.storage import (
     SCHEMA_VERSION,
     SchemaVersionError,
     SessionNotFoundError,
+    StorageError,
     StorageWriteError,
     Store,
     pack_token_ids,
@@ -71,6 +72,33 @@ def test_v1_database_is_upgraded_in_place_keeping_data(home: Path) -> None:
         assert len(st.messages("old-1")) == 2
     with Store(home) as st:  # reopening an up-to-date DB is a no-op
         assert st.get_session("old-1").n_messages == 2
+
+
+def test_v4_migration_keeps_existing_chunks_verified_and_adds_debris_tables(home: Path) -> None:
+    home.mkdir()
+    _make_v1(home / "index.db")
+    con = sqlite3.connect(home / "index.db")
+    con.execute("INSERT INTO chatkv_chunks VALUES ('" + "a" * 64 + "', NULL, 'kv/aa/x.safetensors', 3, 10, 'fp-old',"
+                " 'k', 'none', 'float32', 16, '2025-01-01 00:00:00')")
+    con.execute("INSERT INTO chatkv_session_chunks VALUES ('old-1', 0, '" + "a" * 64 + "')")
+    con.commit()
+    con.close()
+    with pytest.raises(StorageError, match="too old to read without migrating"):
+        Store(home, read_only=True)
+    with Store(home) as st:
+        with st.engine.connect() as c:
+            tables = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type='table'"))}
+        assert {"chatkv_pending_files", "chatkv_meta"} <= tables
+        assert st.get_session("old-1").kv_verified and st.kv_chunks("old-1")[0].verified
+        assert st.index_lost() is None  # an upgraded index is not a new one
+    # back to v3 (the release before): a read-only open cannot migrate it, but still lists and shows
+    con = sqlite3.connect(home / "index.db")
+    con.executescript("DELETE FROM chatkv_schema WHERE version = 4; DROP TABLE chatkv_pending_files;"
+                      "DROP TABLE chatkv_meta; ALTER TABLE chatkv_chunks DROP COLUMN verified;")
+    con.close()
+    with Store(home, read_only=True) as ro:
+        assert ro.list_sessions()[0].id == "old-1" and ro.get_session("old-1").kv_verified
+        assert [m.content for m in ro.messages("old-1")] == ["hello from v1"]
 
 
 def test_newer_schema_is_refused_clearly(home: Path) -> None:
