@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import tarfile
 import tempfile
 from pathlib import Path
@@ -84,6 +83,8 @@ def show(session_id: str, as_json: bool) -> None:
         ("disk", f"{human_bytes(size.total)} in {info.n_chunks} chunks "
                  f"({human_bytes(size.unique)} own, {human_bytes(size.shared)} shared)"),
         ("fingerprint", info.fingerprint or "-"),
+        *([("kv verified", "yes" if info.kv_verified else
+            "no (imported: checked against the model before it is used)")] if info.n_cached else []),
         ("created", info.created_at.isoformat(timespec="seconds")),
         ("last used", f"{info.last_used_at.isoformat(timespec='seconds')} ({ago(info.last_used_at)})"),
     ])
@@ -158,38 +159,39 @@ def _write_archive(bundle: Path, output: Path) -> None:
 @sessions.command("import")
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--as", "session_id", default=None, help="Import under this id instead of the bundle's.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing session with the same id.")
-def import_(source: Path, session_id: str | None, overwrite: bool) -> None:
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing session with the same id (only once the new one is fully checked; "
+                   "a refused import leaves the old one as it was).")
+@click.option("--history-only", is_flag=True,
+              help="Import the messages alone, not the bundle's KV; the next turn re-prefills.")
+@click.option("--max-size", "max_size", envvar="CHATKV_IMPORT_MAX_SIZE", default=None,
+              help="Refuse bundles whose KV, or archives whose contents, exceed this size (e.g. 2G). "
+                   "Default 64G. [env CHATKV_IMPORT_MAX_SIZE]")
+def import_(source: Path, session_id: str | None, overwrite: bool, history_only: bool, max_size: str | None) -> None:
     """Import a session from an archive or bundle directory made by ``sessions export``.
 
-    The bundle is verified (checksums, chained hashes) before anything is
-    written. Exit code 4 for a corrupt or foreign file, 5 if the id exists
-    (without --overwrite).
+    A bundle is untrusted input: only its regular files are read, sizes are
+    capped before reading (an archive is unpacked as a stream, so a
+    decompression bomb is refused early), messages and KV tensors are checked
+    (roles, dtypes, shapes, finite values, checksums, chained hashes) before
+    anything is written. Imported KV is marked unverified: chatkv checks it
+    against the model before using it. Exit code 4 for a corrupt, unsafe or
+    oversize file, 5 if the id exists (without --overwrite).
     """
-    from chatkv.storage import import_session
+    from chatkv.storage import BundleLimits, extract_archive, import_session
 
+    cap = _parse_bytes(max_size)
+    limits = BundleLimits(max_kv_bytes=cap, max_archive_bytes=cap) if cap is not None else BundleLimits()
     with open_store() as store, tempfile.TemporaryDirectory(prefix="chatkv-import-") as tmp:
-        bundle = source if source.is_dir() or source.suffix == ".json" else _extract_archive(source, Path(tmp))
-        info = import_session(store, bundle, session_id=session_id, overwrite=overwrite)
-    click.echo(f"imported {info.id}: {info.n_turns} turns, {info.n_cached} cached tokens")
-
-
-def _extract_archive(archive: Path, dest: Path) -> Path:
-    """Extract only the bundle's regular files from ``archive`` into ``dest``."""
-    try:
-        with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if m.name in BUNDLE_MEMBERS and m.isfile()]
-            if not any(m.name == BUNDLE_MEMBERS[0] for m in members):
-                raise CliError(f"{archive} is not a chatkv session archive (no {BUNDLE_MEMBERS[0]})",
-                               ExitCode.BAD_FILE)
-            for m in members:
-                src = tar.extractfile(m)
-                assert src is not None
-                with src, open(dest / m.name, "wb") as out:
-                    shutil.copyfileobj(src, out)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CliError(f"{archive} is not a readable chatkv session archive: {exc}", ExitCode.BAD_FILE) from exc
-    return dest
+        if source.is_dir() or source.suffix == ".json":
+            bundle = source
+        else:
+            bundle = extract_archive(source, Path(tmp), limits=limits)
+        info = import_session(store, bundle, session_id=session_id, overwrite=overwrite,
+                              with_kv=not history_only, limits=limits)
+    note = " (history only)" if history_only else \
+        (" (KV unverified: checked against the model before it is used)" if not info.kv_verified else "")
+    click.echo(f"imported {info.id}: {info.n_turns} turns, {info.n_cached} cached tokens{note}")
 
 
 def _parse_bytes(value: str | None) -> int | None:

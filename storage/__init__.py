@@ -11,13 +11,14 @@ bundles with KV).
 
 Layers, each using only the public methods of the one below:
 :class:`Store` (index and chunk files) <- :mod:`.bundle`
-(:func:`export_session`, :func:`import_session`) and :mod:`.gc`
+(:func:`export_session`, :func:`import_session`, :func:`extract_archive`) and :mod:`.gc`
 (:func:`collect_garbage`, :func:`enforce_disk_policy`).
 """
 
 from __future__ import annotations
 
-from .bundle import export_session, import_session
+from .archive import extract_archive
+from .bundle import BundleLimits, export_session, import_session
 from .chunkfile import FORMAT_VERSION as CHUNK_FORMAT_VERSION
 from .chunkfile import ChunkFile, ChunkMeta
 from .errors import (
@@ -58,12 +59,12 @@ from .records import (
 from .store import Store
 
 __all__ = [
-    "BundleError", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkUsage",
+    "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkUsage",
     "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
     "InvalidSessionIdError", "Lease", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
     "SessionNotFoundError", "StorageError", "StorageWriteError", "Store", "chunk_hash", "collect_garbage",
-    "default_db_url", "default_home", "enforce_disk_policy", "export_session", "import_session",
+    "default_db_url", "default_home", "enforce_disk_policy", "export_session", "extract_archive", "import_session",
     "pack_token_ids", "unpack_token_ids", "validate_session_id",
 ]

@@ -71,7 +71,7 @@ def _rewrite(path: Path, fn) -> None:
         (lambda d: _rewrite(d / "history.json", lambda j: j["messages"][0].pop("role")), "role"),
         (lambda d: _rewrite(d / "history.json", lambda j: j["cached_token_ids"].__setitem__(3, 7)), "differ"),
         (lambda d: (d / "kv.safetensors").write_bytes((d / "kv.safetensors").read_bytes()[:-9]), "sha256"),
-        (lambda d: (d / "kv.safetensors").unlink(), "cannot read"),
+        (lambda d: (d / "kv.safetensors").unlink(), "kv.safetensors is missing from the bundle"),
     ],
 )
 def test_corrupt_bundles_are_refused_and_write_nothing(store: Store, tmp_path: Path, damage, words: str) -> None:
