@@ -54,7 +54,7 @@ from .chunkfile import (
     read_safetensors_metadata,
     tensors_from_map,
 )
-from .errors import BundleError, CorruptChunkError, SessionExistsError, SessionLockedError
+from .errors import BundleError, CorruptChunkError, SessionExistsError
 from .hashing import ChunkHash, chunk_hash, is_chunk_hash, pack_token_ids
 from .ids import validate_session_id
 from .records import NewChunk, NewMessage, SessionInfo, SessionKV
@@ -295,9 +295,6 @@ def import_session(store: "Store", src: str | os.PathLike[str], *, session_id: s
 
     if not overwrite and store.has_session(sid):
         raise SessionExistsError(f"session {sid!r} exists; pass overwrite=True or another session_id")
-    holder = store.lease_holder(sid)
-    if holder is not None:
-        raise SessionLockedError(sid, holder, 0.0)
     s_doc = doc["session"]
     try:
         return store.create_session(

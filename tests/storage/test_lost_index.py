@@ -3,10 +3,12 @@ and a read-only home can still be listed and shown."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -180,3 +182,31 @@ def test_sessions_ls_and_show_work_on_a_read_only_home(home: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "a " in res.stdout and "b " in res.stdout and "user: hello from a" in res.stdout
     assert sorted((str(p), p.stat().st_mtime_ns) for p in home.rglob("*")) == before
+
+
+def test_lost_index_gc_read_only_listing_and_history_only_import_do_not_import_torch(home: Path, tmp_path: Path) -> None:
+    files = _fill(home)
+    with Store(home) as st:
+        bundle = tmp_path / "bundle"
+        from chatkv.storage import export_session
+
+        export_session(st, "a", bundle)
+    _lose(home, "deleted")
+    script = textwrap.dedent(f"""
+        import json, sys
+        import chatkv.storage as st
+        store = st.Store({str(home)!r})
+        assert store.index_lost() and st.collect_garbage(store, dry_run=False, grace_s=0).orphans_kept
+        info = st.import_session(store, {str(bundle)!r}, with_kv=False)
+        assert info.n_messages == 1 and info.n_cached == 0
+        store.close()
+        ro = st.Store({str(home)!r}, read_only=True)
+        assert [i.id for i in ro.list_sessions()] == ["a"]
+        print(json.dumps(sorted(sys.modules)))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CHATKV_DB_URL"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    heavy = [m for m in json.loads(res.stdout.splitlines()[-1]) if m.split(".")[0] in ("torch", "transformers")
+             or m.startswith("safetensors.torch")]
+    assert heavy == [] and kv_files(home) == files

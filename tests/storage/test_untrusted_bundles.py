@@ -234,6 +234,9 @@ def test_history_only_import_skips_the_kv(bundle: Path, fresh: Store) -> None:
     assert (info.n_messages, info.n_cached, info.n_chunks, info.fingerprint) == (3, 0, 0, None)
     assert info.kv_verified and kv_files(fresh.home) == []
     assert [m.role for m in fresh.messages("s")] == ["system", "user", "assistant"]
+    res = _cli("sessions", "import", str(bundle), "--history-only", "--as", "cli-copy")
+    assert res.exit_code == 0 and "imported cli-copy: 1 turns, 0 cached tokens (history only)" in res.output
+    assert _cli("sessions", "import", str(bundle), "--as", "with-kv").exit_code == 4  # the KV itself is refused
 
 
 # ---------------------------------------------------------------------------- files the bundle names
@@ -484,3 +487,15 @@ def test_an_overwrite_that_fails_to_commit_leaves_the_old_session_and_no_files(
         monkeypatch.undo()
         assert _state(st, "s") == before  # the old history, KV and files, and no new file left behind
         assert st.get_session("s").kv_verified
+
+
+def test_an_import_over_a_session_in_use_writes_nothing(bundle: Path, tmp_path: Path) -> None:
+    from chatkv.storage import SessionLockedError
+
+    with Store(tmp_path / "target") as holder, Store(tmp_path / "target") as importer:
+        _session(holder, "s", list(range(500, 600)))
+        holder.acquire_lease("s", auto_renew=False)
+        before = _state(importer, "s")
+        with pytest.raises(SessionLockedError, match="in use by"):
+            import_session(importer, bundle, overwrite=True)
+        assert _state(importer, "s") == before
