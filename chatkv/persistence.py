@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from chatkv.errors import OutOfBlocksError
 from chatkv.models import KV_FORMAT_VERSION
+from chatkv.runner import StepInput
+from chatkv.sequence import Sequence
 from chatkv.stats import RestoreInfo
 from chatkv.storage import (
     ChunkInfo,
@@ -44,12 +46,13 @@ if TYPE_CHECKING:
     import torch
 
     from chatkv.engine import Engine
-    from chatkv.sequence import Sequence
     from chatkv.tiers import TieredKV
 
 log = logging.getLogger(__name__)
 
 KV_TENSOR = "kv"
+#: Tokens of imported KV recomputed to check it against the model.
+PROBE_TOKENS = 16
 DENSE_FORMAT = f"{KV_FORMAT_VERSION}:dense"
 #: Full-precision layout, but KV computed from (or restored out of) a quantized
 #: tier: a distinct format, so its chunk hashes never collide with exact ones.
@@ -192,6 +195,13 @@ class KVPersister:
                 store.invalidate_kv(kv.session_id)
                 engine.call(lambda: engine.tiers.restored(kv), "restored")
                 return saved
+            if not session.kv_verified and not self.verify(kv.session_id, session.kv_generation):
+                info.warning = (f"session {kv.session_id!r}: its imported KV does not match this model's own "
+                                "keys and values; re-prefilling from history")
+                kv.lost = "its imported KV did not match the model"
+                store.invalidate_kv(kv.session_id)
+                engine.call(lambda: engine.tiers.restored(kv), "restored")
+                return saved
             cached_ids = store.cached_token_ids(kv.session_id)
             if not engine.call(lambda: self._begin(kv, cached_ids, need_room), "begin restore"):
                 return None
@@ -205,6 +215,43 @@ class KVPersister:
             else:
                 log.info("session %s: restored %d tokens (%d bytes read) in %.3f s", kv.session_id,
                          kv.seq.num_computed, info.bytes_read, info.seconds)
+
+    def verify(self, session_id: str, kv_generation: int) -> bool:
+        """Check stored KV that the store cannot vouch for (an imported bundle)
+        against the model: recompute the first :data:`PROBE_TOKENS` tokens' keys
+        and values and compare them with the first stored chunk. KV claiming
+        this model's fingerprint but made by another model, or corrupted,
+        fails; a pass is recorded (:meth:`Store.mark_kv_verified`)."""
+        import torch
+
+        first = next(iter(self.store.iter_kv(session_id, fingerprint=self.fingerprint)), None)
+        stored = first.tensors.get(KV_TENSOR) if first is not None else None
+        if stored is None:
+            return False
+        n = min(PROBE_TOKENS, first.info.n_tokens)
+        ids = list(first.token_ids[:n])
+        engine = self.engine
+
+        def recompute() -> "torch.Tensor":
+            seq = Sequence(token_ids=list(ids))
+            try:
+                engine.runner.forward([StepInput(seq, list(ids))])
+                return engine.pool.read_tokens(seq, 0, n).to("cpu", torch.float32)
+            finally:
+                engine.pool.release(seq)
+
+        try:
+            fresh = engine.call(recompute, "verify imported KV")
+        except OutOfBlocksError:
+            return False  # no room to check now: not used this time, checked again later
+        probe = stored[:, :, :n].to(torch.float32)
+        if probe.shape != fresh.shape or not bool(torch.isfinite(probe).all()):
+            return False
+        tolerance = 1e-2 * float(fresh.abs().max()) + 1e-3  # chunked vs whole prefill, in the model's dtype
+        if float((probe - fresh).abs().max()) > tolerance:
+            return False
+        self.store.mark_kv_verified(session_id, kv_generation=kv_generation)
+        return True
 
     def _begin(self, kv: "TieredKV", cached_ids: list[int], need_room: bool) -> bool:
         """On the loop: attach the shared prefix and make room for the rest."""

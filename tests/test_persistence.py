@@ -248,3 +248,46 @@ def test_export_and_import_into_another_home(tmp_path, monkeypatch):
     assert info.source == "disk" and info.cached_tokens == cached
     assert again.messages == chat.messages
     again.close()
+
+
+@pytest.mark.parametrize("made_by", ["this model", "another model"])
+def test_imported_kv_is_checked_against_the_model_before_it_is_used(made_by):
+    """KV only an import vouches for is probed (a few tokens recomputed) before use:
+    KV made by another model under this model's fingerprint is never served."""
+    from chatkv.persistence import KV_TENSOR
+    from chatkv.storage import ChunkMeta, NewChunk, NewMessage
+
+    maker = fresh_engine("llama" if made_by == "this model" else "qwen2")
+    chat = open_chat(maker, "made", system="sys")
+    chat.send("hello there")
+    messages = chat.messages
+    chat.close()
+    store = default_store()
+    made = store.load_kv("made")
+    user = fresh_engine("llama")
+    fp = user.loaded.fingerprint  # the claim: made by the model that will use it
+    # One chunk holding everything: new content hashes, so nothing is verified already.
+    c0 = made.chunks[0].info
+    kv = torch.cat([c.tensors[KV_TENSOR] for c in made.chunks], dim=2)
+    chunks = [NewChunk(len(made.token_ids), {KV_TENSOR: kv},
+                       ChunkMeta(fingerprint=fp, kv_format=c0.kv_format, dtype=c0.dtype,
+                                 block_size=len(made.token_ids), quant=c0.quant))]
+    store.create_session("imported", fingerprint=fp, messages=[NewMessage(m["role"], m["content"]) for m in messages],
+                         token_ids=made.token_ids, chunks=chunks, kv_verified=False)
+    assert store.get_session("imported").kv_verified is False
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        again = open_chat(user, "imported")
+        info = again.wait_restored()
+    if made_by == "this model":
+        assert info.cached_tokens == len(made.token_ids) and info.warning is None
+        assert store.get_session("imported").kv_verified  # the probe passed and was recorded
+    else:
+        assert info.cached_tokens == 0 and "does not match" in info.warning
+        assert store.get_session("imported").n_cached == 0  # dropped, never served
+    ref = open_chat(fresh_engine("llama"), "ref", persist=False)
+    ref.append(messages)
+    ref.send("and then?")
+    again.send("and then?")
+    assert again.last_stats.token_ids == ref.last_stats.token_ids
+    again.close()
