@@ -64,11 +64,13 @@ def export(session_id: str, dest: str | os.PathLike[str], store: Store | None = 
 
 
 def import_(src: str | os.PathLike[str], session_id: str | None = None, *, overwrite: bool = False,
-            store: Store | None = None) -> SessionInfo:
-    """Import a bundle written by :func:`export`, verifying every chunk.
+            with_kv: bool = True, store: Store | None = None) -> SessionInfo:
+    """Import a bundle written by :func:`export`, verifying every chunk. The KV is
+    imported unverified (the engine probes it against the model before using
+    it); ``with_kv=False`` imports the history only (the next turn re-prefills).
 
     Raises:
-        BundleError: the bundle is malformed or corrupt (nothing is written).
+        BundleError: the bundle is malformed, corrupt or unsafe (nothing is written).
         SessionExistsError: the id is taken and ``overwrite`` is False.
     """
-    return import_session(_store(store), src, session_id=session_id, overwrite=overwrite)
+    return import_session(_store(store), src, session_id=session_id, overwrite=overwrite, with_kv=with_kv)
