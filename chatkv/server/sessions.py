@@ -183,12 +183,7 @@ class SessionRegistry:
         found = await self._match(tenant, messages)
         if found is not None:
             return found
-        while True:
-            client_id = new_client_id()
-            internal = tenant.internal_id(client_id)
-            if internal not in self._busy and internal not in self._open:
-                break
-        self._busy.add(internal)
+        client_id, internal = self._reserve_new_id(tenant)
         try:
             chat, opened = await self._open_chat(internal)
         except BaseException:
@@ -237,14 +232,18 @@ class SessionRegistry:
                     self._busy.discard(sid)
         return None
 
-    async def _branch(self, tenant: Tenant, parent: "Chat", opened: bool) -> Claim:
-        """Fork ``parent`` (held busy by the caller) into a new session for the request."""
+    def _reserve_new_id(self, tenant: Tenant) -> tuple[str, str]:
+        """A fresh ``(client id, internal id)`` for ``tenant``, marked busy."""
         while True:
             client_id = new_client_id()
             internal = tenant.internal_id(client_id)
             if internal not in self._busy and internal not in self._open:
-                break
-        self._busy.add(internal)
+                self._busy.add(internal)
+                return client_id, internal
+
+    async def _branch(self, tenant: Tenant, parent: "Chat", opened: bool) -> Claim:
+        """Fork ``parent`` (held busy by the caller) into a new session for the request."""
+        client_id, internal = self._reserve_new_id(tenant)
         try:
             child = await self._run(parent.fork, internal)
         except BaseException:
