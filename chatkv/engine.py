@@ -234,7 +234,8 @@ def engine_for(model: Any, engine: Engine | None, config: EngineConfig | None,
     if tiers is None and kv_quant is None:
         return engine or get_engine(model, config)
     base = engine.config if engine is not None else (config or EngineConfig())
-    wanted = tiers or base.tiers or TierConfig()
+    current = engine.tiers.config if engine is not None else (base.tiers or TierConfig())
+    wanted = tiers or current
     if kv_quant is not None:
         wanted = wanted.replace(quant_scheme=kv_quant)
     if engine is None:

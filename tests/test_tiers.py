@@ -339,3 +339,20 @@ def test_rewind_releases_the_dropped_turns_kv_at_once():
     assert engine.pool_stats().used_blocks < before_blocks
     assert default_store().get_session("rw").n_cached == c.num_cached_tokens < before_disk
     c.close()
+
+
+def test_tier_policy_is_engine_wide_not_set_by_the_last_chat():
+    from chatkv.errors import ConfigError
+
+    engine = engine_with()
+    with pytest.raises(ConfigError, match="engine-wide"):
+        chat(engine, "x", kv_quant="int8")  # would have reconfigured every session of the engine
+    assert engine.tiers.config.quant_scheme == "none"
+    engine.configure_tiers(TierConfig(quant_scheme="int8", fidelity_floors=NO_GATE))
+    chat(engine, "x", kv_quant="int8").close()  # agrees with the engine's own policy
+    a = Chat("y", model="tiny:llama", kv_quant="int8", persist=False)
+    b = Chat("z", model="tiny:llama", persist=False)
+    assert a.engine.tiers.config.quant_scheme == "int8" and b.engine.tiers.config.quant_scheme == "none"
+    assert a.engine is not b.engine  # another policy is another engine
+    a.close()
+    b.close()
