@@ -39,20 +39,13 @@ from typing import TYPE_CHECKING
 
 from .errors import SessionLockedError
 from .hashing import ChunkHash, is_chunk_hash
-from .paths import CHUNK_SUFFIX, TMP_PREFIX
+from .paths import CHUNK_SUFFIX, TMP_PREFIX, file_size
 from .records import GcReport, SessionInfo
 
 if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger(__name__)
-
-
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0
 
 
 def _old(p: Path, cutoff: float) -> bool:
@@ -100,15 +93,15 @@ def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 60
             report.unreferenced_chunks.append(ChunkHash(u.hash))
     report.orphans_kept = bool(report.index_lost and report.orphan_files) and not force
     doomed = report.temp_files + ([] if report.orphans_kept else report.orphan_files)
-    report.reclaimable_bytes = (sum(_size(p) for p in doomed)
-                                + sum(_size(store.home / rows[h]) for h in report.unreferenced_chunks))
+    report.reclaimable_bytes = (sum(file_size(p) for p in doomed)
+                                + sum(file_size(store.home / rows[h]) for h in report.unreferenced_chunks))
     if report.orphans_kept and report.orphan_files:
         log.warning("gc: keeping %d orphan chunk files: %s", len(report.orphan_files), report.index_lost)
     if dry_run:
         return report
 
     for p in doomed:
-        size = _size(p)
+        size = file_size(p)
         try:
             p.unlink()
         except FileNotFoundError:

@@ -70,3 +70,11 @@ def tmp_token(name: str) -> str | None:
         return None
     head = name[len(TMP_PREFIX):].partition(".")[0]
     return head if TOKEN_RE.fullmatch(head) else None
+
+
+def file_size(p: Path) -> int:
+    """Bytes of the file at ``p``; 0 if it is gone (a concurrent gc or save)."""
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0

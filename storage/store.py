@@ -66,6 +66,7 @@ from .paths import (
     chunk_relpath,
     default_db_url,
     default_home,
+    file_size,
 )
 from .records import (
     ChunkInfo,
@@ -1094,8 +1095,8 @@ class Store(StoreUpkeep):
             n_chunks, indexed = s.execute(select(func.count(), func.coalesce(func.sum(ChunkRow.bytes), 0))).one()
         files = [p for p in self.kv_dir.glob(f"*/*{CHUNK_SUFFIX}")] if self.kv_dir.exists() else []
         quar = list(self.quarantine_dir.iterdir()) if self.quarantine_dir.exists() else []
-        return DiskUsage(int(n_chunks), int(indexed), len(files), sum(_size(p) for p in files),
-                         len(quar), sum(_size(p) for p in quar))
+        return DiskUsage(int(n_chunks), int(indexed), len(files), sum(file_size(p) for p in files),
+                         len(quar), sum(file_size(p) for p in quar))
 
     # ------------------------------------------------------------------ leases
 
@@ -1157,10 +1158,3 @@ class Store(StoreUpkeep):
             except CorruptChunkError as e:
                 bad.append(e)
         return bad
-
-
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from . import owners
 from .errors import StorageError
-from .paths import CHUNK_SUFFIX, TMP_PREFIX, tmp_token
+from .paths import CHUNK_SUFFIX, TMP_PREFIX, file_size, tmp_token
 from .records import DebrisReport
 from .schema import META_INDEX_LOST, ChunkRow, MetaRow, PendingFileRow, SessionRow, utcnow
 
@@ -63,7 +63,7 @@ class StoreUpkeep:
         try:
             report = DebrisReport(owners=sorted(gone))
             for p in self._temp_files(set(gone)):
-                size = _size(p)
+                size = file_size(p)
                 if _unlink(p):
                     report.temp_files.append(p)
                     report.bytes_removed += size
@@ -109,7 +109,7 @@ class StoreUpkeep:
                 PendingFileRow.chunk_hash.in_(mine), PendingFileRow.token.not_in(tokens))))
             for h in sorted(mine - indexed - others):
                 p = self.path_of(h)
-                size = _size(p)
+                size = file_size(p)
                 if _unlink(p):
                     removed.append((p, size))
             s.execute(delete(PendingFileRow).where(PendingFileRow.token.in_(tokens),
@@ -174,13 +174,6 @@ class StoreUpkeep:
                 n += sum(1 for e in _scandir(Path(sub.path))
                          if e.name.endswith(CHUNK_SUFFIX) and not e.name.startswith(TMP_PREFIX))
         return n
-
-
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:
