@@ -174,22 +174,21 @@ class SessionRegistry:
         if client_id is not None:
             internal = tenant.internal_id(client_id)
             self._claim_id(internal)
-            try:
-                chat, opened = await self._open_chat(internal)
-            except BaseException:
-                self._busy.discard(internal)
-                raise
-            return Claim(chat, internal, client_id, tenant, "explicit", opened, chat)
+            return await self._open_claimed(tenant, client_id, internal, "explicit")
         found = await self._match(tenant, messages)
         if found is not None:
             return found
         client_id, internal = self._reserve_new_id(tenant)
+        return await self._open_claimed(tenant, client_id, internal, "new")
+
+    async def _open_claimed(self, tenant: Tenant, client_id: str, internal: str, how: str) -> Claim:
+        """Open the session ``internal`` (already marked busy) as a claim; unmark it if opening fails."""
         try:
             chat, opened = await self._open_chat(internal)
         except BaseException:
             self._busy.discard(internal)
             raise
-        return Claim(chat, internal, client_id, tenant, "new", opened, chat)
+        return Claim(chat, internal, client_id, tenant, how, opened, chat)
 
     async def _match(self, tenant: Tenant, messages: list[dict[str, str]]) -> Claim | None:
         from chatkv.errors import ChatKVError
