@@ -71,9 +71,15 @@ class Chat:
         tiers, kv_quant: the engine's tier policy (``kv_quant`` is shorthand for
             ``tiers.quant_scheme``). Engine-wide: they pick (or build) an engine
             with that policy; with an explicit ``engine`` they must match its own.
-        pin: keep this session's KV on the device however long it idles (idle
-            policies skip it; memory pressure demotes it only after every
-            other idle session).
+        pin: True keeps this session's KV on the device however long it idles
+            (idle policies skip it; memory pressure demotes it only after every
+            other idle session; gc never expires its stored KV by TTL); False
+            unpins it; None (the default) keeps what the store says
+            (``chatkv sessions pin/unpin``). Saved with the session.
+        ttl: this session's KV expires after this many idle seconds, whatever
+            the engine's and the store's TTL (its history stays); None keeps
+            what the store says (``chatkv sessions ... --ttl``). Saved with
+            the session, so ``chatkv sessions gc`` honours it too.
         **sampling: defaults for :class:`~chatkv.config.SamplingParams`.
 
     Raises:
@@ -88,11 +94,14 @@ class Chat:
                  engine: Engine | None = None, engine_config: EngineConfig | None = None,
                  store: Store | None = None, persist: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  lease_timeout_s: float = 0.0, tiers: TierConfig | None = None, kv_quant: str | None = None,
-                 context_policy: str = "trim", pin: bool = False, **sampling: Any) -> None:
+                 context_policy: str = "trim", pin: bool | None = None, ttl: float | None = None,
+                 **sampling: Any) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
         if context_policy not in CONTEXT_POLICIES:
             raise ConfigError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl >= 0):
+            raise ConfigError(f"ttl must be a number of seconds >= 0 or None, got {ttl!r}")
         #: What a turn does when the history outgrows the window (see :data:`chatkv.session.CONTEXT_POLICIES`).
         self.context_policy = context_policy
         if system is not None and not isinstance(system, str):
@@ -106,9 +115,8 @@ class Chat:
         self._session: Session = self.engine.sessions.open(
             self.session_id, store=(store or default_store()) if persist else None, chunk_tokens=chunk_tokens,
             lease_timeout_s=lease_timeout_s, system=system)
-        if pin:
-            kv = self._session.kv
-            self.engine.call(lambda: setattr(kv, "keep_resident", True), "pin")
+        if pin is not None or ttl is not None:
+            self._session.set_retention(pin, ... if ttl is None else ttl)
         if system is not None:
             self.set_system(system)
 

@@ -312,6 +312,33 @@ class Session:
             self.engine.call(trim, "trim dead KV")
         self.persist()
 
+    def set_retention(self, pin: bool | None = None, ttl_s: float | None | object = ...) -> None:
+        """Keep the session's KV on the device however long it idles (``pin``;
+        None: unchanged) and/or give it its own KV TTL in idle seconds
+        (``ttl_s``; left out: unchanged; None: the engine's and store's TTL
+        again). Both hold for the tier policy now and, for a stored session,
+        are saved with it, so gc and later processes honour them.
+
+        Raises:
+            ValueError: a negative TTL. StorageError: the store failed (nothing changed).
+        """
+        if ttl_s is not ... and ttl_s is not None:
+            ttl_s = float(ttl_s)  # type: ignore[arg-type]
+            if not ttl_s >= 0:
+                raise ValueError(f"ttl must be >= 0 seconds or None, not {ttl_s!r}")
+        if pin is None and ttl_s is ...:
+            return
+        if self.store is not None:
+            self.store.set_retention(self.session_id, pinned=pin, kv_ttl_s=ttl_s)
+        kv = self.kv
+
+        def apply() -> None:
+            if pin is not None:
+                kv.keep_resident = bool(pin)
+            if ttl_s is not ...:
+                kv.kv_ttl_s = ttl_s  # type: ignore[assignment]
+        self.engine.call(apply, "retention")
+
     def forget_kv(self) -> None:
         """Release every bit of KV the session holds in memory (it keeps its tier entry)."""
         def drop() -> None:
@@ -469,6 +496,7 @@ class SessionManager:
             kv = session.kv
             kv.tier = Tier.DISK if n_cached else Tier.DEVICE
             kv.disk_bytes = info.kv_bytes if existed else 0
+            kv.keep_resident, kv.kv_ttl_s = info.pinned, info.kv_ttl_s  # retention stored with the session
             kv.pins = 1 if n_cached else 0
             engine.call(lambda: engine.tiers.register(kv), "register")
         except BaseException:

@@ -95,6 +95,8 @@ class TieredKV:
         keep_resident: the app asked to keep it on the device (``Chat(pin=True)``):
             idle policies skip it and pressure demotes it only after every other
             idle session.
+        kv_ttl_s: idle seconds after which its KV expires, overriding
+            ``TierConfig.kv_ttl_s`` (``Chat(ttl=...)``, stored with the session); None: the engine's.
         lost: why its KV was last lost (expired, no room), for turn stats.
         disk_bytes: bytes of its chunk files (kept by the session layer, for stats).
     """
@@ -107,6 +109,7 @@ class TieredKV:
     last_used: float = field(default_factory=time.monotonic)
     pins: int = 0
     keep_resident: bool = False
+    kv_ttl_s: float | None = None
     lost: str | None = None
     disk_bytes: int = 0
 
@@ -369,16 +372,19 @@ class TierManager:
                     host -= nbytes  # host copies are never shared
 
     def apply_idle_policies(self, now: float | None = None) -> list[TieredKV]:
-        """Demote sessions idle longer than the configured thresholds. Returns
-        the sessions whose KV expired (the caller drops their stored copy)."""
+        """Demote sessions idle longer than the configured thresholds (a
+        session's own ``kv_ttl_s`` replaces the engine's TTL; pinned sessions
+        are skipped). Returns the sessions whose KV expired (the caller drops
+        their stored copy)."""
         now = time.monotonic() if now is None else now
         c = self.config
-        steps = [(Tier.QUANTIZED, c.quantize_after_s), (Tier.HOST, c.offload_after_s),
-                 (Tier.DISK, c.spill_after_s), (Tier.EXPIRED, c.kv_ttl_s)]
         expired = []
         for victim in self._idle_lru():
             if victim.keep_resident:
                 continue
+            ttl = victim.kv_ttl_s if victim.kv_ttl_s is not None else c.kv_ttl_s
+            steps = [(Tier.QUANTIZED, c.quantize_after_s), (Tier.HOST, c.offload_after_s),
+                     (Tier.DISK, c.spill_after_s), (Tier.EXPIRED, ttl)]
             idle = now - victim.last_used
             target = None
             for tier, after in steps:

@@ -1,4 +1,4 @@
-"""``chatkv sessions``: list, show, remove, export, import and garbage-collect stored sessions.
+"""``chatkv sessions``: list, show, remove, export, import, pin/unpin and garbage-collect stored sessions.
 
 Every command works on the index through :mod:`chatkv.storage` alone: none
 imports torch, except ``export`` and ``import`` of a session that has KV
@@ -35,14 +35,15 @@ def session_dict(info: "SessionInfo") -> dict[str, Any]:
 
 @click.group("sessions")
 def sessions() -> None:
-    """Stored sessions: list, inspect, remove, export, import, collect garbage."""
+    """Stored sessions: list, inspect, remove, export, import, pin, set TTLs, collect garbage."""
 
 
 @sessions.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def ls(as_json: bool) -> None:
-    """List sessions, most recently used first: id, turns, cached tokens, tier, KV bytes, last use."""
     with open_store() as store:
+    """List sessions, most recently used first: id, turns, cached tokens, tier, KV bytes, last use,
+    pinned, own KV TTL."""
         infos = store.list_sessions()
     if as_json:
         print_json([session_dict(i) for i in infos])
@@ -51,10 +52,21 @@ def ls(as_json: bool) -> None:
         click.echo("no sessions")
         return
     print_table(
-        ["id", "turns", "tokens", "tier", "bytes", "last used"],
-        [[i.id, i.n_turns, i.n_cached, i.tier, human_bytes(i.kv_bytes), ago(i.last_used_at)] for i in infos],
+        ["id", "turns", "tokens", "tier", "bytes", "last used", "pin", "ttl"],
+        [[i.id, i.n_turns, i.n_cached, i.tier, human_bytes(i.kv_bytes), ago(i.last_used_at),
+          "yes" if i.pinned else "-", human_duration(i.kv_ttl_s)] for i in infos],
         title="sessions", right=("turns", "tokens", "bytes"),
     )
+
+
+def human_duration(seconds: float | None) -> str:
+    """``7d``, ``12h``, ``90m``, ``45s`` for a TTL in seconds; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 @sessions.command("show")
@@ -83,6 +95,8 @@ def show(session_id: str, as_json: bool) -> None:
         ("disk", f"{human_bytes(size.total)} in {info.n_chunks} chunks "
                  f"({human_bytes(size.unique)} own, {human_bytes(size.shared)} shared)"),
         ("fingerprint", info.fingerprint or "-"),
+        ("retention", f"{'pinned' if info.pinned else 'not pinned'}, KV TTL "
+                      f"{human_duration(info.kv_ttl_s) if info.kv_ttl_s is not None else 'the store default'}"),
         *([("kv verified", "yes" if info.kv_verified else
             "no (imported: checked against the model before it is used)")] if info.n_cached else []),
         ("created", info.created_at.isoformat(timespec="seconds")),
@@ -218,6 +232,71 @@ def _parse_duration(value: str | None) -> float | None:
         return float(text)
     except ValueError:
         raise CliError(f"not a duration: {value!r} (e.g. 3600, 90m, 7d)", ExitCode.USAGE) from None
+
+
+_TTL_HELP = ("Also give the sessions their own KV TTL (e.g. 7d, 12h; 'none' returns to the store-wide "
+             "TTL gc is given); it overrides gc's --ttl for them.")
+
+
+def _parse_ttl(value: str | None) -> float | None | object:
+    """A ``--ttl`` of a retention command: ``...`` when not given, None for ``none``."""
+    if value is None:
+        return ...
+    if value.strip().lower() in ("none", "default", "off"):
+        return None
+    seconds = _parse_duration(value)
+    if seconds is None or seconds < 0:
+        raise CliError(f"--ttl must be a duration >= 0 or 'none', not {value!r}", ExitCode.USAGE)
+    return seconds
+
+
+def _set_retention(session_ids: tuple[str, ...], pinned: bool | None, ttl: str | None) -> None:
+    """Set retention on each id; the exit code is that of the first failure (3: unknown id)."""
+    kv_ttl_s = _parse_ttl(ttl)
+    first_failure: ExitCode | None = None
+    with open_store() as store:
+        for sid in session_ids:
+            try:
+                info = store.set_retention(sid, pinned=pinned, kv_ttl_s=kv_ttl_s)
+            except Exception as exc:
+                code = exit_code_for(exc)
+                if code is None:
+                    raise
+                click.echo(f"Error: {exc}", err=True)
+                first_failure = first_failure or code
+                continue
+            ttl_text = human_duration(info.kv_ttl_s) if info.kv_ttl_s is not None else "store default"
+            click.echo(f"{sid}: {'pinned' if info.pinned else 'not pinned'}, KV TTL {ttl_text}")
+    if first_failure is not None:
+        raise click.exceptions.Exit(int(first_failure))
+
+
+@sessions.command("pin")
+@click.argument("session_ids", nargs=-1, required=True)
+@click.option("--ttl", "ttl", default=None, help=_TTL_HELP)
+def pin(session_ids: tuple[str, ...], ttl: str | None) -> None:
+    """Pin sessions: their KV stays resident however long they idle (the tier
+    policy skips them; gc never expires them by TTL and drops them for the disk
+    budget only after every unpinned session). Takes effect when a session is
+    next opened, and at once for gc."""
+    _set_retention(session_ids, True, ttl)
+
+
+@sessions.command("unpin")
+@click.argument("session_ids", nargs=-1, required=True)
+@click.option("--ttl", "ttl", default=None, help=_TTL_HELP)
+def unpin(session_ids: tuple[str, ...], ttl: str | None) -> None:
+    """Unpin sessions: their KV follows the tier policy and TTLs again."""
+    _set_retention(session_ids, False, ttl)
+
+
+@sessions.command("ttl")
+@click.argument("session_id")
+@click.argument("duration")
+def ttl_cmd(session_id: str, duration: str) -> None:
+    """Give a session its own KV TTL (e.g. 7d, 12h, 3600), overriding gc's --ttl;
+    'none' returns it to the store-wide TTL. The history is never expired."""
+    _set_retention((session_id,), None, duration)
 
 
 @sessions.command("gc")

@@ -185,16 +185,26 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
+def ttl_of(info: SessionInfo, policy: DiskPolicy) -> float | None:
+    """The idle seconds after which ``info``'s KV expires: never for a pinned
+    session, else its own TTL (``Chat(ttl=...)``, ``chatkv sessions ... --ttl``)
+    if it has one, else the policy's."""
+    if info.pinned:
+        return None
+    return info.kv_ttl_s if info.kv_ttl_s is not None else policy.kv_ttl_s
+
+
 def enforce_disk_policy(
     store: "Store", policy: DiskPolicy | None = None, *, dry_run: bool = False, grace_s: float = 600.0,
     now: datetime | None = None, skip: Iterable[str] = (), force: bool = False,
 ) -> DiskGcReport:
     """Enforce the disk tier, then collect garbage; return what was (or would be) freed.
 
-    In order: drop the KV of sessions idle for ``policy.kv_ttl_s`` or longer
-    (as of ``now``, default the current time); then, while the index's chunk
-    bytes exceed ``policy.disk_budget_bytes``, drop the KV of the least
-    recently used remaining session; then :func:`collect_garbage` with
+    In order: drop the KV of sessions idle for their TTL or longer (as of
+    ``now``, default the current time; see :func:`ttl_of`: a session's own TTL
+    overrides ``policy.kv_ttl_s``, a pinned one never expires); then, while
+    the index's chunk bytes exceed ``policy.disk_budget_bytes``, drop the KV of
+    the least recently used remaining session (pinned ones last); then :func:`collect_garbage` with
     ``grace_s`` and ``force``. Dropping KV is :meth:`Store.invalidate_kv`: histories are
     never deleted. Sessions in ``skip``, sessions without KV, and sessions
     another live owner holds a lease on are left alone, so this is safe while
@@ -219,21 +229,21 @@ def enforce_disk_policy(
         except SessionLockedError:  # leased between the check and the write
             return None
 
-    limited = policy.kv_ttl_s is not None or policy.disk_budget_bytes is not None
-    sessions = [s for s in store.list_sessions() if s.id not in skipped and s.n_cached] if limited else []
-    if policy.kv_ttl_s is not None:
-        for info in sessions:
-            if (now - _aware(info.last_used_at)).total_seconds() >= policy.kv_ttl_s:
-                got = drop(info)
-                if got is not None:
-                    log.debug("disk policy: expired the KV of %r (%d bytes)", info.id, got)
-                    report.expired_sessions.append(info.id)
-                    report.expired_bytes += got
-        expired = set(report.expired_sessions)
-        sessions = [s for s in sessions if s.id not in expired]
+    sessions = [s for s in store.list_sessions() if s.id not in skipped and s.n_cached]
+    for info in sessions:
+        ttl = ttl_of(info, policy)
+        if ttl is not None and (now - _aware(info.last_used_at)).total_seconds() >= ttl:
+            got = drop(info)
+            if got is not None:
+                log.debug("disk policy: expired the KV of %r (%d bytes)", info.id, got)
+                report.expired_sessions.append(info.id)
+                report.expired_bytes += got
+    expired = set(report.expired_sessions)
+    sessions = [s for s in sessions if s.id not in expired]
     if policy.disk_budget_bytes is not None:
         usage = store.disk_usage().indexed_bytes - (report.expired_bytes if dry_run else 0)
-        for info in sorted(sessions, key=lambda s: _aware(s.last_used_at)):  # least recently used first
+        # Least recently used first, pinned sessions only after every unpinned one.
+        for info in sorted(sessions, key=lambda s: (s.pinned, _aware(s.last_used_at))):
             if usage <= policy.disk_budget_bytes:
                 break
             got = drop(info)

@@ -90,11 +90,20 @@ def _v4_provenance_and_debris(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE chatkv_chunks ADD COLUMN verified BOOLEAN NOT NULL DEFAULT TRUE")
 
 
+def _v5_session_retention(conn: Connection) -> None:
+    # Retention per conversation (issue 16): a pin and a TTL override. Plain
+    # ADD COLUMN, which SQLite and PostgreSQL both accept; existing sessions
+    # are unpinned and follow the store-wide TTL.
+    conn.exec_driver_sql("ALTER TABLE chatkv_sessions ADD COLUMN pinned BOOLEAN NOT NULL DEFAULT FALSE")
+    conn.exec_driver_sql("ALTER TABLE chatkv_sessions ADD COLUMN kv_ttl_s FLOAT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
     Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
     Migration(3, "messages.flags (bit 0: a reply cut short)", _v3_message_flags),
     Migration(4, "chunks.verified; pending files (crash debris); meta (lost index)", _v4_provenance_and_debris),
+    Migration(5, "sessions.pinned, sessions.kv_ttl_s (retention per conversation)", _v5_session_retention),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 #: The oldest schema a read-only Store (which cannot migrate) still lists and shows.

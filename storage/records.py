@@ -36,6 +36,10 @@ class SessionInfo:
     #: checked against the model (:meth:`Store.mark_kv_verified`); a caller
     #: must verify or drop such KV before using it. True when there is no KV.
     kv_verified: bool = True
+    #: v5: keep its KV resident however long it idles (``chatkv sessions pin``, ``Chat(pin=True)``).
+    pinned: bool = False
+    #: v5: idle seconds after which its KV expires, overriding the store-wide TTL; None: the store's.
+    kv_ttl_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from sqlalchemy import (
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.engine import Dialect
@@ -76,6 +78,14 @@ class SessionRow(Base):
     tier: Mapped[str] = mapped_column(String(32), default="none")
     # v2: bumped by every KV commit, so a reader can tell states apart.
     kv_generation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # v5: retention per conversation. Deferred, so a read-only Store on an older
+    # index (which lacks them) can still load rows; reads go through
+    # _INFO_COLUMNS, which checks the schema version.
+    #: Keep this session's KV resident however long it idles; gc expires it by TTL never
+    #: and drops it for the disk budget only after every unpinned session.
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false(), deferred=True)
+    #: Idle seconds after which this session's KV expires, overriding the store-wide TTL (None: the store's).
+    kv_ttl_s: Mapped[float | None] = mapped_column(Float, nullable=True, deferred=True)
 
 
 MESSAGE_PARTIAL = 1

@@ -165,12 +165,17 @@ _INFO_COLUMNS = (
 )
 #: The same, for a read-only index older than schema v4 (which could not be migrated).
 _INFO_COLUMNS_V3 = (*_INFO_COLUMNS[:-1], literal(True))
+#: Retention (schema v5), or what an older read-only index means: unpinned, the store's TTL.
+_RETENTION_COLUMNS = (SessionRow.pinned, SessionRow.kv_ttl_s)
+_RETENTION_COLUMNS_V4 = (literal(False), literal(None))
 
 
 def _session_infos(s: Session, *where: Any, schema: int = LATEST_VERSION) -> list[SessionInfo]:
-    cols = _INFO_COLUMNS if schema >= 4 else _INFO_COLUMNS_V3
+    cols = (*(_INFO_COLUMNS if schema >= 4 else _INFO_COLUMNS_V3),
+            *(_RETENTION_COLUMNS if schema >= 5 else _RETENTION_COLUMNS_V4))
     q = select(*cols).where(*where).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
-    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:13], bool(r[13])) for r in s.execute(q)]
+    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:13], bool(r[13]), bool(r[14]),
+                        None if r[15] is None else float(r[15])) for r in s.execute(q)]
 
 
 def _index_is_read_only(home: Path, db_url: str) -> bool:
@@ -383,6 +388,32 @@ class Store(StoreUpkeep):
         """All sessions, most recently used first, read in one query (no per-session round trips)."""
         with self._tx(write=False) as s:
             return _session_infos(s, schema=self._schema)
+
+    def set_retention(self, session_id: str, *, pinned: bool | None = None,
+                      kv_ttl_s: float | None | object = ...) -> SessionInfo:
+        """Set how long the session's KV is kept, in one transaction, and return its facts.
+
+        ``pinned`` (None: unchanged) keeps its KV resident however long it idles:
+        gc never expires it by TTL and drops it for the disk budget only after
+        every unpinned session. ``kv_ttl_s`` (left out: unchanged; None: the
+        store-wide TTL again) expires its KV after that many idle seconds,
+        overriding the TTL gc is given. Needs no lease (it changes neither
+        history nor KV), so it works while another process uses the session.
+
+        Raises:
+            SessionNotFoundError; ValueError: a negative TTL; StorageWriteError.
+        """
+        if kv_ttl_s is not ... and kv_ttl_s is not None:
+            kv_ttl_s = float(kv_ttl_s)  # type: ignore[arg-type]
+            if not kv_ttl_s >= 0:
+                raise ValueError(f"kv_ttl_s must be >= 0 or None, not {kv_ttl_s!r}")
+        with self._tx() as s:
+            row = self._get(s, session_id)
+            if pinned is not None:
+                row.pinned = bool(pinned)
+            if kv_ttl_s is not ...:
+                row.kv_ttl_s = kv_ttl_s  # type: ignore[assignment]
+        return self.get_session(session_id)
 
     def touch(self, session_id: str, *, tier: str | None = None) -> None:
         """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage)."""
