@@ -41,9 +41,9 @@ def sessions() -> None:
 @sessions.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def ls(as_json: bool) -> None:
-    with open_store() as store:
     """List sessions, most recently used first: id, turns, cached tokens, tier, KV bytes, last use,
     pinned, own KV TTL."""
+    with open_store() as store:
         infos = store.list_sessions()
     if as_json:
         print_json([session_dict(i) for i in infos])
