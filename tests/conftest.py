@@ -37,6 +37,39 @@ def chatkv_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A private PostgreSQL cluster for the whole test session (``chatkv.testing_pg``), removed at the end.
+
+    Skips where the server binaries or the driver are missing, unless
+    ``CHATKV_REQUIRE_PG=1`` or ``CI`` is set: then that is a failure.
+    """
+    from chatkv.testing_pg import PgCluster, PgUnavailable, pg_required
+
+    try:
+        import psycopg  # noqa: F401
+
+        cluster = PgCluster().start()
+    except (PgUnavailable, ImportError) as e:
+        why = f"no PostgreSQL here: {e}"
+        if pg_required():
+            pytest.fail(f"{why} (CHATKV_REQUIRE_PG/CI is set, so PostgreSQL tests must run)")
+        pytest.skip(why)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster, request: pytest.FixtureRequest) -> str:
+    """The URL of a fresh, empty database on :func:`pg_cluster`, dropped after the test."""
+    from chatkv.testing_pg import unique_db_name
+
+    name = unique_db_name(request.node.name)
+    url = pg_cluster.create_database(name)
+    yield url
+    pg_cluster.drop_database(name)
+
+
 def _has_default_model() -> bool:
     import importlib.util
 

@@ -1,8 +1,19 @@
-"""Fixtures for the storage tests; makes ``chatkv.storage`` importable before ``pip install -e``."""
+"""Fixtures for the storage tests; makes ``chatkv.storage`` importable before ``pip install -e``.
+
+Every test here runs twice, on SQLite and on PostgreSQL (``[sqlite]`` and
+``[postgres]`` in its id): the autouse :func:`db_backend` fixture points
+``CHATKV_DB_URL`` at a fresh PostgreSQL database of the session's private
+cluster (``pg_cluster`` in ``tests/conftest.py``) or leaves the default, an
+SQLite file in the Store's home. Subprocesses inherit the variable. A test
+that needs a second, separate index (another "machine") asks
+:func:`other_db` for one. ``@pytest.mark.sqlite_only`` marks the few tests
+about SQLite files themselves.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Sequence
@@ -70,9 +81,84 @@ def kv_files(home: Path) -> list[Path]:
     return sorted((home / "kv").glob("*/*.safetensors"))
 
 
+BACKENDS = ("sqlite", "postgres")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run every storage test on each backend."""
+    if "db_backend" in metafunc.fixturenames:
+        metafunc.parametrize("db_backend", BACKENDS, indirect=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sqlite_only: about SQLite files themselves; skipped on PostgreSQL")
+
+
+@pytest.fixture
+def db_backend(request: pytest.FixtureRequest):
+    """``sqlite`` or ``postgres``; for ``postgres``, ``CHATKV_DB_URL`` names a fresh database.
+
+    Set through its own MonkeyPatch, so a test's ``monkeypatch.undo()`` keeps it.
+    """
+    backend = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CHATKV_DB_URL", raising=False)
+        if backend == "postgres":
+            if request.node.get_closest_marker("sqlite_only"):
+                pytest.skip("about SQLite index files")
+            mp.setenv("CHATKV_DB_URL", request.getfixturevalue("pg_url"))
+        yield backend
+
+
+@pytest.fixture
+def index_url(db_backend: str, home: Path) -> str:
+    """The URL of the index a plain ``Store(home)`` opens in this test."""
+    return os.environ.get("CHATKV_DB_URL") or f"sqlite:///{home / 'index.db'}"
+
+
+@pytest.fixture
+def index_engine(index_url: str):
+    """A plain SQLAlchemy engine on :func:`index_url` (to set up or inspect raw rows); disposed after."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(index_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def other_db(db_backend: str, request: pytest.FixtureRequest):
+    """``other_db(home)``: the URL of a second, separate index for ``home`` (another
+    "machine"): an SQLite file in it, or another fresh PostgreSQL database (the
+    same one for the same ``home``, dropped after the test)."""
+    made: dict[Path, str] = {}
+
+    def make(home: Path) -> str:
+        home = Path(home)
+        if db_backend == "sqlite":
+            return f"sqlite:///{home / 'index.db'}"
+        if home not in made:
+            from chatkv.testing_pg import unique_db_name
+
+            made[home] = unique_db_name(f"other_{request.node.name}")
+            request.getfixturevalue("pg_cluster").create_database(made[home])
+        return request.getfixturevalue("pg_cluster").url(made[home])
+
+    yield make
+    if made:
+        cluster = request.getfixturevalue("pg_cluster")
+        for name in made.values():
+            cluster.drop_database(name)
+
+
+@pytest.fixture
+def other_store(other_db):
+    """``other_store(home)``: a new Store on ``home`` with its own index (see :func:`other_db`)."""
+    return lambda home, **kw: Store(home, db_url=other_db(home), **kw)
+
+
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("CHATKV_DB_URL", raising=False)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_backend: str) -> None:
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path / "env-home"))
 
 

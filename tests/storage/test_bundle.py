@@ -20,13 +20,13 @@ def _session(store: Store, sid: str = "s") -> list[int]:
     return ids
 
 
-def test_export_import_round_trip(store: Store, tmp_path: Path) -> None:
+def test_export_import_round_trip(store: Store, tmp_path: Path, other_store) -> None:
     ids = _session(store)
     out = export_session(store, "s", tmp_path / "bundle")
     doc = json.loads((out / "history.json").read_text())
     assert doc["format"] == "chatkv.session_bundle" and len(doc["chunks"]) == 3
     assert [m["content"] for m in doc["messages"]] == ["Be terse.", "héllo ✓", "hi"]
-    with Store(tmp_path / "other-home") as other:
+    with other_store(tmp_path / "other-home") as other:
         info = import_session(other, out)
         assert (info.id, info.n_cached, info.n_messages, info.fingerprint, info.system_prompt) == ("s", 150, 3, FP, "Be terse.")
         a, b = store.load_kv("s", fingerprint=FP), other.load_kv("s", fingerprint=FP)
@@ -46,12 +46,12 @@ def test_export_import_round_trip(store: Store, tmp_path: Path) -> None:
     assert store.get_session("s").n_messages == 3
 
 
-def test_export_without_kv(store: Store, tmp_path: Path) -> None:
+def test_export_without_kv(store: Store, tmp_path: Path, other_store) -> None:
     store.open_session("h")
     store.append_message("h", "user", "only text")
     out = export_session(store, "h", tmp_path / "b")
     assert not (out / "kv.safetensors").exists()
-    with Store(tmp_path / "h2") as other:
+    with other_store(tmp_path / "h2") as other:
         assert import_session(other, out).n_messages == 1
 
 
@@ -74,17 +74,17 @@ def _rewrite(path: Path, fn) -> None:
         (lambda d: (d / "kv.safetensors").unlink(), "kv.safetensors is missing from the bundle"),
     ],
 )
-def test_corrupt_bundles_are_refused_and_write_nothing(store: Store, tmp_path: Path, damage, words: str) -> None:
+def test_corrupt_bundles_are_refused_and_write_nothing(store: Store, tmp_path: Path, other_store, damage, words: str) -> None:
     _session(store)
     out = export_session(store, "s", tmp_path / "bundle")
     damage(out)
-    with Store(tmp_path / "fresh") as other:
+    with other_store(tmp_path / "fresh") as other:
         with pytest.raises(BundleError, match=words):
             import_session(other, out)
         assert other.list_sessions() == [] and kv_files(other.home) == []
 
 
-def test_tensor_tampering_is_caught_by_the_chunk_checksum(store: Store, tmp_path: Path) -> None:
+def test_tensor_tampering_is_caught_by_the_chunk_checksum(store: Store, tmp_path: Path, other_store) -> None:
     import hashlib
 
     from safetensors.torch import load_file, save_file
@@ -96,7 +96,7 @@ def test_tensor_tampering_is_caught_by_the_chunk_checksum(store: Store, tmp_path
     save_file(t, out / "kv.safetensors")
     _rewrite(out / "history.json", lambda j: j.update(kv_sha256=hashlib.sha256((out / "kv.safetensors").read_bytes()).hexdigest()))
     with pytest.raises(BundleError, match="chunk 1 fails its checksum"):
-        import_session(Store(tmp_path / "fresh"), out)
+        import_session(other_store(tmp_path / "fresh"), out)
 
 
 def test_overwrite_replaces_in_one_step_and_removes_the_old_unshared_chunks(store: Store, tmp_path: Path) -> None:
@@ -114,11 +114,11 @@ def test_overwrite_replaces_in_one_step_and_removes_the_old_unshared_chunks(stor
         assert b.lease_holder("s") == store.owner
 
 
-def test_a_bad_token_span_is_a_bundle_error(store: Store, tmp_path: Path) -> None:
+def test_a_bad_token_span_is_a_bundle_error(store: Store, tmp_path: Path, other_store) -> None:
     _session(store)
     out = export_session(store, "s", tmp_path / "bundle")
     _rewrite(out / "history.json", lambda j: j["messages"][1].update(token_span=[9, 3]))
-    with Store(tmp_path / "fresh") as other:
+    with other_store(tmp_path / "fresh") as other:
         with pytest.raises(BundleError, match="token_span"):
             import_session(other, out)
         assert other.list_sessions() == []

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ from chatkv.storage import (
     Store,
     pack_token_ids,
 )
-from sqlalchemy import text
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import Engine
 
 from .conftest import FP, new_chunks
 
@@ -39,26 +39,35 @@ INSERT INTO chatkv_schema VALUES (1, 'sessions, messages, chunks, session_chunks
 """
 
 
-def _make_v1(db: Path) -> None:
-    con = sqlite3.connect(db)
-    con.executescript(V1_DDL)
-    con.execute(
-        "INSERT INTO chatkv_sessions VALUES ('old-1', 'fp-old', 'Be terse.', '2025-01-01 00:00:00',"
-        " '2025-01-01 00:00:00', '2025-01-02 00:00:00', 3, ?, 0, 'disk')", (pack_token_ids([5, 6, 7]),))
-    con.execute("INSERT INTO chatkv_messages (session_id, idx, role, content, tok_start, tok_end, created_at)"
-                " VALUES ('old-1', 0, 'user', 'hello from v1', 0, 3, '2025-01-01 00:00:00')")
-    con.commit()
-    con.close()
+def _v1_ddl(engine: Engine) -> list[str]:
+    """V1_DDL's statements in ``engine``'s dialect (PostgreSQL spells three types differently)."""
+    ddl = V1_DDL
+    if engine.dialect.name == "postgresql":
+        ddl = (ddl.replace("INTEGER PRIMARY KEY AUTOINCREMENT", "SERIAL PRIMARY KEY")
+               .replace("DATETIME", "TIMESTAMP").replace("BLOB", "BYTEA"))
+    return [st.strip() for st in ddl.split(";") if st.strip()]
 
 
-def test_v1_database_is_upgraded_in_place_keeping_data(home: Path) -> None:
+def _make_v1(engine: Engine) -> None:
+    with engine.begin() as con:
+        for st in _v1_ddl(engine):
+            con.execute(text(st))
+        con.execute(text(
+            "INSERT INTO chatkv_sessions VALUES ('old-1', 'fp-old', 'Be terse.', '2025-01-01 00:00:00',"
+            " '2025-01-01 00:00:00', '2025-01-02 00:00:00', 3, :ids, 0, 'disk')"), {"ids": pack_token_ids([5, 6, 7])})
+        con.execute(text("INSERT INTO chatkv_messages (session_id, idx, role, content, tok_start, tok_end, created_at)"
+                         " VALUES ('old-1', 0, 'user', 'hello from v1', 0, 3, '2025-01-01 00:00:00')"))
+
+
+
+def test_v1_database_is_upgraded_in_place_keeping_data(home: Path, index_engine: Engine) -> None:
     home.mkdir()
-    _make_v1(home / "index.db")
+    _make_v1(index_engine)
     with Store(home) as st:
         with st.engine.connect() as c:
             versions = [r[0] for r in c.execute(text("SELECT version FROM chatkv_schema ORDER BY version"))]
-            cols = {r[1] for r in c.execute(text("PRAGMA table_info(chatkv_sessions)"))}
-            tables = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type='table'"))}
+            cols = {col["name"] for col in inspect(c).get_columns("chatkv_sessions")}
+            tables = set(inspect(c).get_table_names())
         assert versions == list(range(1, SCHEMA_VERSION + 1)) and SCHEMA_VERSION >= 2
         assert "kv_generation" in cols and "chatkv_leases" in tables
         info = st.get_session("old-1")
@@ -74,59 +83,58 @@ def test_v1_database_is_upgraded_in_place_keeping_data(home: Path) -> None:
         assert st.get_session("old-1").n_messages == 2
 
 
-def test_v4_migration_keeps_existing_chunks_verified_and_adds_debris_tables(home: Path) -> None:
+def test_v4_migration_keeps_existing_chunks_verified_and_adds_debris_tables(home: Path, index_engine: Engine) -> None:
     home.mkdir()
-    _make_v1(home / "index.db")
-    con = sqlite3.connect(home / "index.db")
-    con.execute("INSERT INTO chatkv_chunks VALUES ('" + "a" * 64 + "', NULL, 'kv/aa/x.safetensors', 3, 10, 'fp-old',"
-                " 'k', 'none', 'float32', 16, '2025-01-01 00:00:00')")
-    con.execute("INSERT INTO chatkv_session_chunks VALUES ('old-1', 0, '" + "a" * 64 + "')")
-    con.commit()
-    con.close()
+    _make_v1(index_engine)
+    with index_engine.begin() as con:
+        con.execute(text("INSERT INTO chatkv_chunks VALUES ('" + "a" * 64 + "', NULL, 'kv/aa/x.safetensors', 3, 10,"
+                         " 'fp-old', 'k', 'none', 'float32', 16, '2025-01-01 00:00:00')"))
+        con.execute(text("INSERT INTO chatkv_session_chunks VALUES ('old-1', 0, '" + "a" * 64 + "')"))
     with pytest.raises(StorageError, match="too old to read without migrating"):
         Store(home, read_only=True)
     with Store(home) as st:
         with st.engine.connect() as c:
-            tables = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type='table'"))}
+            tables = set(inspect(c).get_table_names())
         assert {"chatkv_pending_files", "chatkv_meta"} <= tables
         assert st.get_session("old-1").kv_verified and st.kv_chunks("old-1")[0].verified
         assert st.index_lost() is None  # an upgraded index is not a new one
     # back to v3 (the release before): a read-only open cannot migrate it, but still lists and shows
-    con = sqlite3.connect(home / "index.db")
-    con.executescript("DELETE FROM chatkv_schema WHERE version = 4; DROP TABLE chatkv_pending_files;"
-                      "DROP TABLE chatkv_meta; ALTER TABLE chatkv_chunks DROP COLUMN verified;")
-    con.close()
+    with index_engine.begin() as con:
+        for st_ in ("DELETE FROM chatkv_schema WHERE version >= 4", "DROP TABLE chatkv_pending_files",
+                    "DROP TABLE chatkv_meta", "ALTER TABLE chatkv_chunks DROP COLUMN verified"):
+            con.execute(text(st_))
     with Store(home, read_only=True) as ro:
         assert ro.list_sessions()[0].id == "old-1" and ro.get_session("old-1").kv_verified
         assert [m.content for m in ro.messages("old-1")] == ["hello from v1"]
 
 
-def test_newer_schema_is_refused_clearly(home: Path) -> None:
+def test_newer_schema_is_refused_clearly(home: Path, index_engine: Engine) -> None:
     Store(home).close()
-    con = sqlite3.connect(home / "index.db")
-    con.execute("INSERT INTO chatkv_schema VALUES (?, 'from the future', '2030-01-01 00:00:00')", (SCHEMA_VERSION + 5,))
-    con.commit()
-    con.close()
+    with index_engine.begin() as con:
+        con.execute(text("INSERT INTO chatkv_schema VALUES (:v, 'from the future', '2030-01-01 00:00:00')"),
+                    {"v": SCHEMA_VERSION + 5})
     with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 5}, newer .*upgrade chatkv"):
         Store(home)
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 5}, newer .*upgrade chatkv"):
+        Store(home, read_only=True)
 
 
-def test_foreign_tables_without_version_are_refused(home: Path) -> None:
+def test_foreign_tables_without_version_are_refused(home: Path, index_engine: Engine) -> None:
     home.mkdir()
-    con = sqlite3.connect(home / "index.db")
-    con.execute("CREATE TABLE chatkv_sessions (id TEXT)")
-    con.commit()
-    con.close()
+    with index_engine.begin() as con:
+        con.execute(text("CREATE TABLE chatkv_sessions (id TEXT)"))
     with pytest.raises(SchemaVersionError, match="no chatkv_schema"):
         Store(home)
 
 
+@pytest.mark.sqlite_only
 def test_sqlite_pragmas_wal_and_foreign_keys(store: Store) -> None:
     with store.engine.connect() as c:
         assert c.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert c.execute(text("PRAGMA foreign_keys")).scalar() == 1
 
 
+@pytest.mark.sqlite_only
 def test_env_overrides_home_and_db_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path / "h1"))
     with Store() as st:
@@ -230,7 +238,8 @@ def test_listing_is_one_query_with_correct_counts(store: Store) -> None:
         infos = store.list_sessions()
     finally:
         event.remove(store.engine, "before_cursor_execute", listen)
-    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 1
+    # (PostgreSQL's transactions begin with the index's advisory lock: not a query of the listing)
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT") and "pg_advisory" not in s]) == 1
     by_id = {i.id: i for i in infos}
     for n in range(5):
         i = by_id[f"s{n}"]

@@ -38,7 +38,18 @@ def _fill(home: Path) -> list[Path]:
 
 def _lose(home: Path, how: str) -> None:
     db = home / "index.db"
-    if how == "deleted":
+    url = os.environ.get("CHATKV_DB_URL")
+    if url and how in ("deleted", "truncated"):  # PostgreSQL: the index's tables are dropped
+        if how == "truncated":
+            pytest.skip("about SQLite index files")
+        from sqlalchemy import MetaData, create_engine
+
+        engine = create_engine(url)
+        md = MetaData()
+        md.reflect(engine)
+        md.drop_all(engine)
+        engine.dispose()
+    elif how == "deleted":
         for suffix in ("", "-wal", "-shm"):
             Path(f"{db}{suffix}").unlink(missing_ok=True)
     elif how == "truncated":
@@ -110,6 +121,7 @@ def test_a_whole_index_still_collects_its_orphans(home: Path) -> None:
     assert kv_files(home) == files
 
 
+@pytest.mark.sqlite_only
 def test_a_zero_filled_index_is_an_error_not_an_empty_store(home: Path) -> None:
     files = _fill(home)
     db = home / "index.db"
@@ -142,7 +154,7 @@ def test_a_read_only_store_writes_nothing(home: Path) -> None:
 
 def test_a_read_only_home_without_an_index_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StorageError, match="no chatkv index"):
+    with pytest.raises(StorageError, match="no chatkv index|no chatkv tables"):
         Store(tmp_path / "empty", read_only=True)
 
 
@@ -163,7 +175,7 @@ def test_sessions_ls_and_show_work_on_a_read_only_home(home: Path) -> None:
         pytest.skip("cannot make a read-only home here (root without mount namespaces)")
     _fill(home)
     before = sorted((str(p), p.stat().st_mtime_ns) for p in home.rglob("*"))
-    env = {k: v for k, v in os.environ.items() if k != "CHATKV_DB_URL"}
+    env = dict(os.environ)  # CHATKV_DB_URL names the PostgreSQL index, if the test runs on one
     env["CHATKV_HOME"] = str(home)
     cli = f"{sys.executable} -m chatkv.cli.main"
     script = f"{cli} sessions ls && {cli} sessions show a"
@@ -204,7 +216,7 @@ def test_lost_index_gc_read_only_listing_and_history_only_import_do_not_import_t
         assert [i.id for i in ro.list_sessions()] == ["a"]
         print(json.dumps(sorted(sys.modules)))
     """)
-    env = {k: v for k, v in os.environ.items() if k != "CHATKV_DB_URL"}
+    env = dict(os.environ)  # CHATKV_DB_URL names the PostgreSQL index, if the test runs on one
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     heavy = [m for m in json.loads(res.stdout.splitlines()[-1]) if m.split(".")[0] in ("torch", "transformers")

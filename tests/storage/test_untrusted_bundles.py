@@ -58,8 +58,8 @@ def bundle(store: Store, tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def fresh(tmp_path: Path):
-    with Store(tmp_path / "fresh") as st:
+def fresh(tmp_path: Path, other_store):
+    with other_store(tmp_path / "fresh") as st:
         yield st
 
 
@@ -376,7 +376,10 @@ def _cli(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
-def test_a_gzip_bomb_history_is_refused_early(bundle: Path, tmp_path: Path) -> None:
+def test_a_gzip_bomb_history_is_refused_early(bundle: Path, tmp_path: Path, other_db,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI's home (CHATKV_HOME) gets its own index, apart from the bundle's source.
+    monkeypatch.setenv("CHATKV_DB_URL", other_db(Path(os.environ["CHATKV_HOME"])))
     history = (bundle / "history.json").read_bytes()
     archive = _bomb(tmp_path / "bomb.tar.gz", history, 100 << 20)  # 100 MiB of valid JSON in ~100 KB
     assert archive.stat().st_size < 1 << 20
@@ -397,7 +400,10 @@ def test_a_gzip_bomb_history_is_refused_early(bundle: Path, tmp_path: Path) -> N
         assert st.list_sessions() == []
 
 
-def test_a_gzip_bomb_kv_or_padding_is_refused_by_the_size_cap(bundle: Path, tmp_path: Path) -> None:
+def test_a_gzip_bomb_kv_or_padding_is_refused_by_the_size_cap(bundle: Path, tmp_path: Path, other_db,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI's home (CHATKV_HOME) gets its own index, apart from the bundle's source.
+    monkeypatch.setenv("CHATKV_DB_URL", other_db(Path(os.environ["CHATKV_HOME"])))
     history = (bundle / "history.json").read_bytes()
     kv_bomb = _bomb(tmp_path / "kv.tar.gz", b"", 64 << 20, member="kv.safetensors",
                     extra=[("history.json", history)])
