@@ -70,6 +70,13 @@ class EngineConfig:
             :class:`~chatkv.errors.OutOfBlocksError`.
         max_context: cap the context window below the model's (for memory, or
             so a test can outgrow a window quickly); None is the model's own.
+        dtype: the dtype a model loaded for this engine runs in (weights and
+            KV): ``"float32"``, ``"bfloat16"``, ``"float16"`` (or ``fp32``,
+            ``bf16``, ``fp16``), or ``"auto"``/None: ``$CHATKV_DTYPE`` if set,
+            else bfloat16 on a CPU with native bf16 (AVX-512 BF16, AMX) or a
+            CUDA device, float32 elsewhere (:mod:`chatkv.hardware`). An engine
+            built on an already loaded model takes that model's dtype, and
+            refuses an explicit ``dtype`` that differs from it.
         tiers: the memory-tier policy (budgets, idle times, quantization) of
             the engine's sessions; None is :class:`TierConfig`'s defaults. It is
             engine-wide; :meth:`chatkv.engine.Engine.configure_tiers` changes it.
@@ -86,10 +93,15 @@ class EngineConfig:
     block_wait_s: float = 1.0
     tiers: "TierConfig | None" = None
     max_context: int | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
+        if self.dtype is not None and self.dtype != "auto":
+            from chatkv.hardware import parse_dtype
+
+            parse_dtype(self.dtype)
         if self.max_context is not None and self.max_context < 2:
             raise ConfigError(f"max_context must be at least 2 tokens, got {self.max_context}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
 from chatkv.config import EngineConfig, SamplingParams, TierConfig
 from chatkv.errors import ConfigError, ContextWindowExceededError
+from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.runner import ModelRunner
 from chatkv.scheduler import Scheduler
@@ -75,6 +76,10 @@ class Engine:
 
         self.loaded = loaded
         self.config = config or EngineConfig()
+        if self.config.dtype not in (None, "auto") and parse_dtype(self.config.dtype) != loaded.dtype:
+            raise ConfigError(f"EngineConfig(dtype={self.config.dtype!r}) differs from the loaded model's "
+                              f"{loaded.dtype}; load it in that dtype (load_model(..., dtype=...)) or "
+                              "leave the engine's dtype unset")
         cfg = loaded.model.config
         device = torch.device(self.config.device) if self.config.device else loaded.device
         if device != loaded.device:
@@ -210,13 +215,20 @@ def get_engine(model: str | LoadedModel | None = None, config: EngineConfig | No
 
     ``model`` is a spec for :func:`chatkv.models.load_model` or an already
     loaded model. Engines are keyed by the spec (or object) and config, so every
-    ``Chat`` on the same model shares one pool and its prefix cache.
+    ``Chat`` on the same model shares one pool and its prefix cache. A spec is
+    loaded in ``config.dtype`` (see :func:`chatkv.hardware.resolve_dtype`:
+    bfloat16 on hardware that computes it natively, else float32).
     """
     key = (id(model) if isinstance(model, LoadedModel) else (model or "default"), repr(config))
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            loaded = model if isinstance(model, LoadedModel) else load_model(model)
+            if isinstance(model, LoadedModel):
+                loaded = model
+            else:
+                cfg = config or EngineConfig()
+                device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                loaded = load_model(model, dtype=resolve_dtype(cfg.dtype, device))
             engine = Engine(loaded, config)
             _ENGINES[key] = engine
         return engine

