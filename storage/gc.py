@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from .errors import SessionLockedError
 from .hashing import ChunkHash, is_chunk_hash
-from .paths import CHUNK_SUFFIX, TMP_PREFIX, file_size
+from .paths import CHUNK_SUFFIX, TMP_PREFIX, chunk_path, file_size
 from .records import GcReport, SessionInfo
 
 if TYPE_CHECKING:
@@ -87,14 +87,14 @@ def collect_garbage(store: "Store", *, dry_run: bool = True, grace_s: float = 60
                 if (not is_chunk_hash(h) or h not in rows) and _old(p, cutoff):
                     report.orphan_files.append(p)
     for u in usage:
-        if not (store.home / u.relpath).exists():
+        if not chunk_path(store.kv_dir, u.relpath).exists():
             report.dangling_chunks.append(ChunkHash(u.hash))
         elif u.n_refs == 0:
             report.unreferenced_chunks.append(ChunkHash(u.hash))
     report.orphans_kept = bool(report.index_lost and report.orphan_files) and not force
     doomed = report.temp_files + ([] if report.orphans_kept else report.orphan_files)
     report.reclaimable_bytes = (sum(file_size(p) for p in doomed)
-                                + sum(file_size(store.home / rows[h]) for h in report.unreferenced_chunks))
+                                + sum(file_size(chunk_path(store.kv_dir, rows[h])) for h in report.unreferenced_chunks))
     if report.orphans_kept and report.orphan_files:
         log.warning("gc: keeping %d orphan chunk files: %s", len(report.orphan_files), report.index_lost)
     if dry_run:

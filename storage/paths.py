@@ -3,7 +3,8 @@
 Layout::
 
     <home>/index.db                  default SQLite index (CHATKV_DB_URL overrides)
-    <home>/kv/<h[:2]>/<h>.safetensors  content-addressed chunk files
+    <home>/kv/<h[:2]>/<h>.safetensors  content-addressed chunk files (CHATKV_KV_DIR moves
+                                     kv/ elsewhere: a directory several servers share)
     <home>/quarantine/               chunk files that failed verification
     <home>/owners/<token>.lock       one per open Store, flock()ed while it lives
 
@@ -24,6 +25,7 @@ from .hashing import ChunkHash
 
 HOME_ENV = "CHATKV_HOME"
 DB_URL_ENV = "CHATKV_DB_URL"
+KV_DIR_ENV = "CHATKV_KV_DIR"
 KV_DIR = "kv"
 QUARANTINE_DIR = "quarantine"
 CHUNK_SUFFIX = ".safetensors"
@@ -49,9 +51,32 @@ def default_db_url(home: Path) -> str:
     return os.environ.get(DB_URL_ENV) or f"sqlite:///{home / 'index.db'}"
 
 
+def default_kv_dir(home: Path) -> Path:
+    """``$CHATKV_KV_DIR`` if set, else ``<home>/kv``: where the chunk files live.
+
+    Several servers with their own homes (model cache, REPL history, owner
+    locks) share chunks by pointing this at one directory they all mount,
+    next to one shared index (``CHATKV_DB_URL``).
+    """
+    env = os.environ.get(KV_DIR_ENV)
+    return Path(env).expanduser() if env else home / KV_DIR
+
+
 def chunk_relpath(h: ChunkHash) -> str:
-    """Path of a chunk file relative to the home, with ``/`` separators."""
+    """A chunk file's name as the index records it: ``kv/<h[:2]>/<h>.safetensors``.
+
+    The leading ``kv/`` stands for the chunk directory (:func:`default_kv_dir`),
+    wherever it is: :func:`chunk_path` resolves it.
+    """
     return f"{KV_DIR}/{h[:2]}/{h}{CHUNK_SUFFIX}"
+
+
+def chunk_path(kv_dir: Path, relpath: str) -> Path:
+    """The file a recorded ``relpath`` (``kv/<h[:2]>/<h>.safetensors``) names under ``kv_dir``."""
+    head, sep, rest = relpath.partition("/")
+    if head != KV_DIR or not sep:
+        raise ValueError(f"not a chunk path: {relpath!r}")
+    return kv_dir / rest
 
 
 def tmp_name(final_name: str, token: str | None = None) -> str:

@@ -61,11 +61,12 @@ from .migrations import LATEST_VERSION, readable_version, upgrade
 from .upkeep import StoreUpkeep
 from .paths import (
     CHUNK_SUFFIX,
-    KV_DIR,
     QUARANTINE_DIR,
+    chunk_path,
     chunk_relpath,
     default_db_url,
     default_home,
+    default_kv_dir,
     file_size,
 )
 from .records import (
@@ -196,6 +197,9 @@ class Store(StoreUpkeep):
             Created if missing.
         db_url: any SQLAlchemy URL; default ``$CHATKV_DB_URL`` or
             ``sqlite:///<home>/index.db``.
+        kv_dir: the chunk files' directory; default ``$CHATKV_KV_DIR`` or
+            ``<home>/kv``. Servers sharing one index share this directory too
+            (each keeps its own home: owner locks, quarantine, REPL history).
         owner: lease owner id; default ``host:pid:random`` (unique per Store).
         lease_ttl_s: how long a lease lives without renewal.
         clock: the current time (aware UTC) by which this Store judges whether
@@ -225,6 +229,7 @@ class Store(StoreUpkeep):
         home: str | os.PathLike[str] | None = None,
         db_url: str | None = None,
         *,
+        kv_dir: str | os.PathLike[str] | None = None,
         owner: str | None = None,
         lease_ttl_s: float = 30.0,
         clock: Callable[[], datetime] = utcnow,
@@ -236,7 +241,7 @@ class Store(StoreUpkeep):
         """Nothing is written: a home this process cannot write (or ``read_only=True``)."""
         if not self.read_only:
             ensure_dir(self.home)
-        self.kv_dir = self.home / KV_DIR
+        self.kv_dir = Path(kv_dir).expanduser() if kv_dir is not None else default_kv_dir(self.home)
         self.quarantine_dir = self.home / QUARANTINE_DIR
         self.owner = owner or leases.make_owner_id()
         self.token = owners.new_token()
@@ -331,7 +336,7 @@ class Store(StoreUpkeep):
     def path_of(self, info: ChunkInfo | str) -> Path:
         """Absolute path of a chunk file, from its info or hash."""
         rel = info.relpath if isinstance(info, ChunkInfo) else chunk_relpath(ChunkHash(info))
-        return self.home / rel
+        return chunk_path(self.kv_dir, rel)
 
     # ------------------------------------------------------------------ sessions
 
@@ -560,7 +565,7 @@ class Store(StoreUpkeep):
     def _write_file(self, h: ChunkHash, parent: ChunkHash | None, ids: list[int],
                     tensors: Mapping[str, torch.Tensor], meta: ChunkMeta, indexed_bytes: int | None) -> ChunkInfo:
         rel = chunk_relpath(h)
-        path = self.home / rel
+        path = chunk_path(self.kv_dir, rel)
         try:
             st = path.stat()
             if indexed_bytes is None or st.st_size == indexed_bytes:
@@ -620,6 +625,13 @@ class Store(StoreUpkeep):
             return read_chunk_file(self.path_of(info), info.hash, expected_bytes=info.bytes,
                                    fingerprint=fingerprint, verify=verify)
         except CorruptChunkError as e:
+            if isinstance(e, MissingChunkError) and not self.kv_dir.is_dir():
+                # Not a lost file but a missing directory (a server not given the
+                # shared CHATKV_KV_DIR, an unmounted volume): cut nobody's KV for it.
+                log.warning("chunk directory %s does not exist: is CHATKV_KV_DIR set as on the "
+                            "other servers sharing %s?", self.kv_dir, self.db_url)
+                raise MissingChunkError(info.hash, f"the chunk directory {self.kv_dir} does not exist "
+                                        "(CHATKV_KV_DIR unset or not mounted?)") from e
             e.sessions = self.quarantine_chunk(info.hash, e.reason)
             raise
 
@@ -972,7 +984,7 @@ class Store(StoreUpkeep):
                 for h, rel in dead:
                     if h in back:
                         continue
-                    p = self.home / rel
+                    p = chunk_path(self.kv_dir, rel)
                     try:
                         size = p.stat().st_size
                         p.unlink()
