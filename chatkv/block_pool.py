@@ -474,6 +474,16 @@ class BlockPool:
         seq.num_computed = 0
         seq.exact = True
 
+    def discard(self, seq: Sequence) -> None:
+        """Like :meth:`release`, but blocks only ``seq`` held are freed, not kept in
+        the prefix cache: for a throwaway sequence (the engine's warm-up) whose
+        content nobody will ask for again."""
+        self._check()
+        for block in seq.block_table:
+            if self.ref_counts[block] == 1:
+                self._forget_hash(block)
+        self.release(seq)
+
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence sharing all of ``seq``'s blocks by reference (copy on write)."""
         self._check()

@@ -44,6 +44,12 @@ def model_cache_dir() -> Path:
     return Path(env).expanduser() if env else chatkv_home() / "models"
 
 
+#: Tokens of the engine's warm-up prefill (about a first turn's system prompt and question).
+WARMUP_PROMPT_TOKENS = 128
+#: One-token decode steps of the warm-up.
+WARMUP_DECODE_STEPS = 4
+
+
 @dataclass
 class EngineConfig:
     """How an engine lays out and sizes its KV pool.
@@ -77,6 +83,12 @@ class EngineConfig:
             CUDA device, float32 elsewhere (:mod:`chatkv.hardware`). An engine
             built on an already loaded model takes that model's dtype, and
             refuses an explicit ``dtype`` that differs from it.
+        warmup: run a throwaway turn (a prefill of :data:`WARMUP_PROMPT_TOKENS`
+            tokens and a few decode steps) on the loop as soon as the engine
+            exists, in the background, so that the first real turn does not
+            pay for first-call costs (thread pool start, kernel selection and
+            compilation, allocator growth, the chat template's compilation).
+            A turn asked for meanwhile starts once it is done.
         tiers: the memory-tier policy (budgets, idle times, quantization) of
             the engine's sessions; None is :class:`TierConfig`'s defaults. It is
             engine-wide; :meth:`chatkv.engine.Engine.configure_tiers` changes it.
@@ -94,6 +106,7 @@ class EngineConfig:
     tiers: "TierConfig | None" = None
     max_context: int | None = None
     dtype: str | None = None
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):

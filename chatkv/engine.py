@@ -13,8 +13,11 @@ calibration) asks it with :meth:`Engine.call`. Sessions are opened through
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+import time
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
-from chatkv.config import EngineConfig, SamplingParams, TierConfig
+from chatkv.config import WARMUP_DECODE_STEPS, WARMUP_PROMPT_TOKENS, EngineConfig, SamplingParams, TierConfig
 from chatkv.errors import ConfigError, ContextWindowExceededError
 from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
@@ -33,6 +36,8 @@ from chatkv.stats import TurnStats
 from chatkv.tiers import TierManager, TierStats
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def _default_budget(device: torch.device) -> int:
@@ -55,6 +60,11 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
         elif source:
             ids.update(int(i) for i in source)
     return ids
+
+
+def _log_warm_up_failure(future: "Future[int]") -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("engine warm-up failed (the first turn pays its first-call costs): %r", future.exception())
 
 
 class Engine:
@@ -101,6 +111,20 @@ class Engine:
         self.tiers = TierManager(self, self.config.tiers)
         self.scheduler = Scheduler(self)
         self.sessions = SessionManager(self)
+        #: The background warm-up (``EngineConfig.warmup``): its result is the tokens it ran; None if off.
+        self.warmed: Future[int] | None = None
+        if self.config.warmup:
+            self.warmed = self.scheduler.submit_job(self._warm_up, "warm-up")
+            self.warmed.add_done_callback(_log_warm_up_failure)
+
+    def _warm_up(self) -> int:
+        """The warm-up job (on the loop): the chat template once, then a throwaway turn."""
+        started = time.perf_counter()
+        self.encode_chat([{"role": "system", "content": "warm-up"}, {"role": "user", "content": "hello"}])
+        prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
+        n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
+        log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
+        return n
 
     @property
     def tokenizer(self) -> Any:

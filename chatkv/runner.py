@@ -132,3 +132,28 @@ class ModelRunner:
         for item in batch:
             self.pool.commit(item.seq, len(item.tokens))
         return logits
+
+    def warm_up(self, prompt_tokens: int, decode_steps: int, max_prefill_tokens: int) -> int:
+        """Run a throwaway turn through the model: a prefill of ``prompt_tokens``
+        tokens (in steps of at most ``max_prefill_tokens``), then ``decode_steps``
+        one-token steps, so that the first real turn finds the thread pool
+        started, the kernels chosen and compiled for these shapes and the
+        allocator's arenas grown. Its blocks are discarded (nothing enters the
+        prefix cache). Runs on the loop. Returns the tokens run: fewer when the
+        pool is short of free blocks (0 if it has none).
+        """
+        free = self.pool.num_available * self.pool.block_size
+        prompt_tokens = max(0, min(prompt_tokens, free - decode_steps))
+        if prompt_tokens < 1:
+            return 0
+        seq = Sequence(token_ids=[i % 1000 + 1 for i in range(prompt_tokens)])
+        try:
+            while seq.num_computed < prompt_tokens:
+                n = min(max_prefill_tokens, prompt_tokens - seq.num_computed)
+                self.forward([StepInput(seq, seq.token_ids[seq.num_computed: seq.num_computed + n])])
+            for _ in range(decode_steps):
+                seq.token_ids.append(seq.token_ids[-1])
+                self.forward([StepInput(seq, seq.token_ids[-1:])])
+            return len(seq.token_ids)
+        finally:
+            self.pool.discard(seq)

@@ -1,0 +1,37 @@
+"""The engine's background warm-up: a throwaway turn that leaves no trace but warm kernels."""
+
+from __future__ import annotations
+
+from chatkv import Chat, EngineConfig
+from chatkv.config import WARMUP_DECODE_STEPS, WARMUP_PROMPT_TOKENS
+from chatkv.engine import Engine
+from chatkv.models import load_model
+
+
+def test_warm_up_runs_a_turn_and_leaves_the_pool_as_it_found_it() -> None:
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4))
+    assert engine.warmed is not None
+    assert engine.warmed.result(timeout=120) == WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
+    stats = engine.pool_stats()
+    assert (stats.free_blocks, stats.cached_blocks, stats.used_blocks) == (128, 0, 0)  # nothing cached
+    assert engine.scheduler.stats.submitted == 0 and engine.scheduler.stats.forward_tokens == 0  # not a turn
+
+
+def test_replies_are_the_same_with_and_without_warm_up() -> None:
+    replies = []
+    for warmup in (True, False):
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, warmup=warmup))
+        assert (engine.warmed is None) is (not warmup)
+        chat = Chat("w", system="be brief", engine=engine, persist=False, max_new_tokens=8)
+        chat.send("hello there")  # asked for at once: it starts after the warm-up
+        chat.send("and again")
+        replies.append(chat.last_stats.token_ids)
+        assert chat.last_stats.prefix_cache_tokens == 0
+        chat.close()
+    assert replies[0] == replies[1]
+
+
+def test_a_small_pool_warms_up_with_what_it_has() -> None:
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=3, block_size=4))
+    assert 0 < engine.warmed.result(timeout=120) <= 12  # type: ignore[union-attr]
+    assert engine.pool_stats().free_blocks == 3
