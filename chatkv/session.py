@@ -381,10 +381,11 @@ class Session:
         if keep == len(self._stored) and not rest:
             return
         rows = [(m.role, m.content, None, m.partial, m.outside) for m in rest]
-        if keep < len(self._stored):
-            store.rewrite_history(self.session_id, keep, rows)
-        else:
-            store.append_messages(self.session_id, rows)
+        # Always "keep the first `keep`, then these", never a bare append: if a
+        # commit's outcome was unknown (the connection cut during COMMIT, the
+        # database restarted), _stored was not advanced and the next save
+        # writes the same rows over whatever that commit left, never twice.
+        store.rewrite_history(self.session_id, keep, rows)
         self._stored = [dataclasses.replace(m) for m in self.messages]
 
     def drop_stored_kv(self) -> None:
