@@ -18,7 +18,7 @@ import click
 
 from .errors import CliError, ExitCode, exit_code_for
 from .output import ago, human_bytes, print_fields, print_json, print_table, printable
-from .store import open_store
+from .store import open_reader, open_store
 
 if TYPE_CHECKING:
     from chatkv.storage import DiskGcReport, SessionInfo
@@ -43,7 +43,7 @@ def sessions() -> None:
 def ls(as_json: bool) -> None:
     """List sessions, most recently used first: id, turns, cached tokens, tier, KV bytes, last use,
     pinned, own KV TTL."""
-    with open_store() as store:
+    with open_reader() as store:
         infos = store.list_sessions()
     if as_json:
         print_json([session_dict(i) for i in infos])
@@ -74,7 +74,7 @@ def human_duration(seconds: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (facts and messages).")
 def show(session_id: str, as_json: bool) -> None:
     """Show one session's cache facts and its history. Exit code 3 if it does not exist."""
-    with open_store() as store:
+    with open_reader() as store:
         info = store.get_session(session_id)
         size = store.session_bytes(session_id)
         messages = store.messages(session_id)
@@ -330,7 +330,7 @@ def gc(dry_run: bool, ttl: str | None, disk_budget: str | None, grace_s: float, 
         raise CliError(str(exc), ExitCode.USAGE) from None
     if grace_s < 0:
         raise CliError(f"--grace must be >= 0, not {grace_s:g}", ExitCode.USAGE)
-    with open_store() as store:
+    with open_reader() if dry_run else open_store() as store:
         report = enforce_disk_policy(store, policy, dry_run=dry_run, grace_s=grace_s, force=force)
     if as_json:
         print_json(dataclasses.asdict(report))

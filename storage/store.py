@@ -58,6 +58,7 @@ from .errors import (
 from .hashing import ChunkHash, chunk_hash, pack_token_ids, unpack_token_ids
 from .ids import validate_session_id
 from .migrations import LATEST_VERSION, readable_version, upgrade
+from .quickread import disk_usage_of
 from .upkeep import StoreUpkeep
 from .paths import (
     CHUNK_SUFFIX,
@@ -67,7 +68,6 @@ from .paths import (
     default_db_url,
     default_home,
     default_kv_dir,
-    file_size,
 )
 from .records import (
     ChunkInfo,
@@ -1136,10 +1136,7 @@ class Store(StoreUpkeep):
         """Index totals, plus what is actually on disk under ``kv/`` and ``quarantine/``."""
         with self._tx(write=False) as s:
             n_chunks, indexed = s.execute(select(func.count(), func.coalesce(func.sum(ChunkRow.bytes), 0))).one()
-        files = [p for p in self.kv_dir.glob(f"*/*{CHUNK_SUFFIX}")] if self.kv_dir.exists() else []
-        quar = list(self.quarantine_dir.iterdir()) if self.quarantine_dir.exists() else []
-        return DiskUsage(int(n_chunks), int(indexed), len(files), sum(file_size(p) for p in files),
-                         len(quar), sum(file_size(p) for p in quar))
+        return disk_usage_of(int(n_chunks), int(indexed), self.kv_dir, self.quarantine_dir)
 
     # ------------------------------------------------------------------ leases
 

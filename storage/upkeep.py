@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 
 from . import owners
 from .errors import StorageError
-from .paths import CHUNK_SUFFIX, TMP_PREFIX, file_size, tmp_token
+from .quickread import count_chunk_files, lost_index_message
+from .paths import TMP_PREFIX, file_size, tmp_token
 from .records import DebrisReport
 from .schema import META_INDEX_LOST, ChunkRow, MetaRow, PendingFileRow, SessionRow, utcnow
 
@@ -155,12 +156,7 @@ class StoreUpkeep:
         n = self._count_chunk_files()
         if not n:
             return None
-        why = why or f"it has no sessions and no chunks while {self.kv_dir} holds {n} chunk files"
-        return (f"the index at {self.db_url} looks lost: {why}. Those files may be all that is left of the "
-                "conversations (their KV and token ids), so gc keeps them instead of deleting them as orphans. "
-                "If the index was deleted or damaged, restore it from a backup first; if the sessions were "
-                "removed on purpose, delete the files with `chatkv sessions gc --force` "
-                "(collect_garbage(..., force=True)).")
+        return lost_index_message(self.db_url, self.kv_dir, why, n)
 
     def forget_lost_index(self) -> None:
         """Clear the lost-index record (after its files were dealt with); gc then treats orphans as usual."""
@@ -168,12 +164,7 @@ class StoreUpkeep:
             s.execute(delete(MetaRow).where(MetaRow.key == META_INDEX_LOST))
 
     def _count_chunk_files(self) -> int:
-        n = 0
-        for sub in _scandir(self.kv_dir):
-            if sub.is_dir(follow_symlinks=False):
-                n += sum(1 for e in _scandir(Path(sub.path))
-                         if e.name.endswith(CHUNK_SUFFIX) and not e.name.startswith(TMP_PREFIX))
-        return n
+        return count_chunk_files(self.kv_dir)
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:
