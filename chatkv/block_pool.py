@@ -10,7 +10,9 @@ hashed block that a later prompt may revive; evictable, least recently
 released first) or *free*. A block may be written in place only when it is
 owned by exactly one sequence and carries no registered hash; anything else is
 copied on write. Hash hits compare token ids, so a hash collision can never
-serve the wrong KV.
+serve the wrong KV. Blocks of a shifted sequence (``context_policy="sink"``)
+past its sink are hashed under the namespace plus the shift's key, so they are
+never served as the unshifted KV of the same token ids.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from chatkv.errors import OutOfBlocksError
-from chatkv.sequence import Sequence
+from chatkv.sequence import Sequence, Shift
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +230,12 @@ class BlockPool:
     def _writable(self, block: int) -> bool:
         return self.ref_counts[block] == 1 and self.block_hash[block] is None
 
+    def _namespace(self, shift: Shift | None, index: int) -> bytes:
+        """The hash namespace of block ``index`` of a sequence with ``shift``."""
+        if shift is None or index * self.block_size < shift.sink:
+            return self.namespace
+        return self.namespace + b"/shift/" + shift.key
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's K and V of block ``src`` into block ``dst``."""
         self._check()
@@ -250,7 +258,7 @@ class BlockPool:
         matched = 0
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self.namespace)
+            h = block_hash(parent, chunk, self._namespace(seq.shift, i))
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens[block] != chunk:
                 self.prefix_misses += 1
@@ -265,8 +273,9 @@ class BlockPool:
         seq.num_computed = matched
         return matched
 
-    def prefix_plan(self, token_ids: Seq[int]) -> tuple[int, int]:
-        """What :meth:`match_prefix` would attach for ``token_ids``, without taking anything.
+    def prefix_plan(self, token_ids: Seq[int], shift: Shift | None = None) -> tuple[int, int]:
+        """What :meth:`match_prefix` would attach for ``token_ids`` (of a sequence
+        with ``shift``), without taking anything.
 
         Returns:
             ``(tokens matched, how many of the matched blocks are cached ones)``:
@@ -278,7 +287,7 @@ class BlockPool:
         matched = revived = 0
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self.namespace)
+            h = block_hash(parent, chunk, self._namespace(shift, i))
             block = self.hash_to_block.get(h)
             if block is None or self.block_tokens[block] != chunk:
                 break
@@ -393,13 +402,17 @@ class BlockPool:
         their slots; blocks this fills get their content hash and, if ``seq`` is
         exact, become shareable."""
         self._check()
-        bs = self.block_size
         seq.num_computed += num_new
         assert seq.num_computed <= len(seq.token_ids)
+        self._hash_blocks(seq)
+
+    def _hash_blocks(self, seq: Sequence) -> None:
+        """Hash ``seq``'s full computed blocks that have no hash yet (publishing them if exact)."""
+        bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[i - 1] if i else None
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self.namespace)
+            h = block_hash(parent, chunk, self._namespace(seq.shift, i))
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if seq.exact and h not in self.hash_to_block:
@@ -473,6 +486,7 @@ class BlockPool:
         seq.token_ids.clear()
         seq.num_computed = 0
         seq.exact = True
+        seq.shift = None
 
     def discard(self, seq: Sequence) -> None:
         """Like :meth:`release`, but blocks only ``seq`` held are freed, not kept in
@@ -495,4 +509,49 @@ class BlockPool:
             block_hashes=list(seq.block_hashes),
             num_computed=seq.num_computed,
             exact=seq.exact,
+            shift=seq.shift,
         )
+
+    def drop_and_shift(self, seq: Sequence, start: int, count: int, shift: Shift,
+                       rotate: Callable[[torch.Tensor, list[int], int], None]) -> None:
+        """Drop the KV of computed tokens ``start .. start + count - 1`` of ``seq``
+        (whole blocks) and move every later token ``count`` positions down, in
+        place: ``rotate(kv, blocks, count)`` shifts the keys of the kept blocks
+        after the gap (see :func:`chatkv.rope.shift_blocks`). Kept blocks that
+        others share are copied first; the rest are unpublished, rotated and
+        hashed again under ``shift`` (the sequence's new :class:`Shift`).
+        Nothing is recomputed.
+
+        All-or-nothing: raises :class:`OutOfBlocksError` (changing nothing) if
+        the copies of shared blocks do not fit.
+        """
+        self._check()
+        bs = self.block_size
+        assert start % bs == 0 and count % bs == 0 and count > 0, (start, count, bs)
+        assert start + count <= seq.num_computed, (start, count, seq.num_computed)
+        first, gap = start // bs, count // bs
+        kept = seq.block_table[first + gap :]
+        shared = sum(self.ref_counts[b] > 1 for b in kept)
+        freed = sum(self.ref_counts[b] == 1 for b in seq.block_table[first : first + gap])
+        if shared > self.num_available + freed:
+            raise OutOfBlocksError(
+                f"shifting the window needs {shared} blocks for copies of shared blocks but only "
+                f"{self.num_available + freed} are available")
+        for block in seq.block_table[first : first + gap]:
+            self._decref(block)
+        del seq.block_table[first : first + gap]
+        for j in range(first, len(seq.block_table)):
+            block = seq.block_table[j]
+            if self.ref_counts[block] > 1:
+                fresh = self._allocate()
+                self.copy_block(block, fresh)
+                self._decref(block)
+                seq.block_table[j] = fresh
+            else:
+                self._forget_hash(block)
+        rotate(self.kv, seq.block_table[first:], count)
+        del seq.token_ids[start : start + count]
+        seq.num_computed -= count
+        del seq.block_hashes[first:]
+        seq.shift = shift
+        self._hash_blocks(seq)

@@ -15,7 +15,7 @@ from chatkv.errors import ConfigError, InvalidMessageError, InvalidSessionIdErro
 from chatkv.models import LoadedModel
 from chatkv.persistence import default_store
 from chatkv import history
-from chatkv.session import CONTEXT_POLICIES, Message, Session
+from chatkv.session import CONTEXT_POLICIES, Message, Session, SinkPolicy, rope_shift
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import InvalidSessionIdError as _StorageIdError
 from chatkv.storage import Store
@@ -66,8 +66,17 @@ class Chat:
         lease_timeout_s: how long to wait for another process to release the session.
         context_policy: when the history outgrows the window: ``"trim"`` (the
             default) leaves the oldest whole turns after the system prompt out
-            of the window (the history keeps them); ``"error"`` raises
+            of the window (the history keeps them); ``"sink"`` keeps the first
+            ``sink_tokens`` and the most recent tokens in the cache, dropping
+            the oldest ones after the sink and shifting the kept keys' rotary
+            positions in place, so nothing is re-prefilled (StreamingLLM;
+            refused with :class:`~chatkv.errors.ConfigError` for a model whose
+            positions cannot be shifted exactly); ``"error"`` raises
             :class:`~chatkv.errors.ContextWindowExceededError`.
+        sink_tokens, sink_window: the ``sink`` policy's sizes (see
+            :class:`chatkv.session.SinkPolicy`): tokens always kept at the start
+            (rounded up to whole KV blocks), and how many tokens a drop keeps
+            (None: half the window).
         tiers, kv_quant: the engine's tier policy (``kv_quant`` is shorthand for
             ``tiers.quant_scheme``). Engine-wide: they pick (or build) an engine
             with that policy; with an explicit ``engine`` they must match its own.
@@ -94,8 +103,8 @@ class Chat:
                  engine: Engine | None = None, engine_config: EngineConfig | None = None,
                  store: Store | None = None, persist: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  lease_timeout_s: float = 0.0, tiers: TierConfig | None = None, kv_quant: str | None = None,
-                 context_policy: str = "trim", pin: bool | None = None, ttl: float | None = None,
-                 **sampling: Any) -> None:
+                 context_policy: str = "trim", sink_tokens: int = 4, sink_window: int | None = None,
+                 pin: bool | None = None, ttl: float | None = None, **sampling: Any) -> None:
         self.session_id = validate_session_id(session_id)
         self.sampling = SamplingParams.from_dict(sampling)
         if context_policy not in CONTEXT_POLICIES:
@@ -104,9 +113,13 @@ class Chat:
             raise ConfigError(f"ttl must be a number of seconds >= 0 or None, got {ttl!r}")
         #: What a turn does when the history outgrows the window (see :data:`chatkv.session.CONTEXT_POLICIES`).
         self.context_policy = context_policy
+        #: The ``sink`` policy's sizes.
+        self.sink = SinkPolicy(sink_tokens, sink_window)
         if system is not None and not isinstance(system, str):
             raise InvalidMessageError("the system prompt must be a string")
         self.engine = engine_for(model, engine, engine_config, tiers, kv_quant)
+        if context_policy == "sink":
+            rope_shift(self.engine)  # ConfigError for a model whose positions cannot be shifted
         if system is not None:
             history.check_text(system, self._max_chars, "the system prompt")
         #: What the last turn cost, produced and reused (see :class:`~chatkv.stats.TurnStats`).
@@ -253,7 +266,7 @@ class Chat:
         with self._turn_lock():
             base = history.appended(session.messages, new)
             if base:
-                session.prefill(base, stats, self.context_policy)
+                session.prefill(base, stats, self.context_policy, self.sink)
         self.last_stats = stats
         return stats
 
@@ -280,7 +293,7 @@ class Chat:
         with self._turn_lock():
             try:
                 yield from self._session.turn(base(list(self._session.messages)), params, stats,
-                                              self.context_policy)
+                                              self.context_policy, self.sink)
             finally:
                 self.last_stats = stats
 
@@ -318,7 +331,7 @@ class Chat:
         validate_session_id(session_id)
         self._check_open()
         child = Chat._over(self.engine.sessions.fork(self._session, session_id), self.sampling)
-        child.context_policy = self.context_policy
+        child.context_policy, child.sink = self.context_policy, self.sink
         return child
 
     @classmethod
@@ -327,7 +340,7 @@ class Chat:
         chat = cls.__new__(cls)
         chat.session_id, chat.sampling, chat.engine = session.session_id, sampling, session.engine
         chat.last_stats, chat._closed, chat._session = None, False, session
-        chat.context_policy = "trim"
+        chat.context_policy, chat.sink = "trim", SinkPolicy()
         return chat
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from chatkv.quant import QuantizedKV, dequantize, quantize
 
 if TYPE_CHECKING:
     from chatkv.block_pool import BlockPool
-    from chatkv.sequence import Sequence
+    from chatkv.sequence import Sequence, Shift
 
 
 @dataclass
@@ -40,6 +40,8 @@ class OffloadedKV:
     num_layers: int
     scheme: str
     exact: bool
+    #: The sequence's window shift (``context_policy="sink"``), restored with the KV.
+    shift: "Shift | None" = None
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +114,7 @@ def offload(pool: "BlockPool", seq: "Sequence", scheme: str) -> OffloadedKV:
         if scheme == "none":  # quantize() keeps a reference for "none": make it own its memory
             k = dataclasses.replace(k, data=k.data.clone())
             v = dataclasses.replace(v, data=v.data.clone())
-    return OffloadedKV(ids, k, v, tail, L, scheme, seq.exact)
+    return OffloadedKV(ids, k, v, tail, L, scheme, seq.exact, seq.shift)
 
 
 def reload(pool: "BlockPool", seq: "Sequence", off: OffloadedKV) -> None:
@@ -136,4 +138,9 @@ def reload(pool: "BlockPool", seq: "Sequence", off: OffloadedKV) -> None:
         parts.append(torch.stack([k.reshape(L, -1, h, d), v.reshape(L, -1, h, d)], dim=1))
     parts.append(off.tail.to(dtype=dtype))
     kv = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-    pool.write_tokens(seq, off.token_ids, kv, exact=off.lossless)
+    seq.shift = off.shift  # before the write: its blocks are hashed under the shift
+    try:
+        pool.write_tokens(seq, off.token_ids, kv, exact=off.lossless)
+    except BaseException:
+        seq.shift = None
+        raise

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from chatkv.errors import OutOfBlocksError
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
-from chatkv.sequence import Sequence
+from chatkv.sequence import Sequence, Shift
 from chatkv.stats import RestoreInfo
 from chatkv.storage import (
     ChunkInfo,
@@ -57,6 +57,34 @@ DENSE_FORMAT = f"{KV_FORMAT_VERSION}:dense"
 #: Full-precision layout, but KV computed from (or restored out of) a quantized
 #: tier: a distinct format, so its chunk hashes never collide with exact ones.
 LOSSY_FORMAT = f"{KV_FORMAT_VERSION}:dense-lossy"
+#: Separates a shifted sequence's :attr:`~chatkv.sequence.Shift.tag` from its
+#: format: the chunks of a session whose window the sink policy shifted are
+#: stored as ``<format>+sh:s<sink>.d<dropped>.<key>``. The tag is part of the
+#: chunk hash, so shifted KV never collides with unshifted KV of the same
+#: tokens, and a restore reads the shift back from it (all of a session's
+#: chunks carry the same tag; a restore stops at one that does not).
+SHIFT_SEP = "+sh:"
+
+
+def kv_format_for(exact: bool, shift: Shift | None) -> str:
+    """The ``kv_format`` of chunks of a sequence that is ``exact`` (or not) and has ``shift``."""
+    base = DENSE_FORMAT if exact else LOSSY_FORMAT
+    return base if shift is None else f"{base}{SHIFT_SEP}{shift.tag}"
+
+
+def parse_kv_format(kv_format: str) -> tuple[str, Shift | None]:
+    """``(base format, shift)`` of a chunk's ``kv_format`` (see :func:`kv_format_for`).
+
+    Raises:
+        ValueError: a malformed shift tag.
+    """
+    base, sep, tag = kv_format.partition(SHIFT_SEP)
+    if not sep:
+        return base, None
+    sink, dropped, key = tag.split(".")
+    if not (sink.startswith("s") and dropped.startswith("d")):
+        raise ValueError(f"not a shift tag: {tag!r}")
+    return base, Shift(int(sink[1:]), int(dropped[1:]), bytes.fromhex(key))
 
 _STORES: dict[tuple[str, str], Store] = {}
 _STORES_LOCK = threading.Lock()
@@ -83,6 +111,7 @@ class SavedKV:
 
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkInfo] = field(default_factory=list)
+    shift: Shift | None = None
 
 
 @dataclass
@@ -97,6 +126,7 @@ class Snapshot:
     exact: bool
     keep: list[ChunkInfo]
     pieces: list[tuple[int, "torch.Tensor"]]
+    shift: Shift | None = None
 
 
 class KVPersister:
@@ -112,10 +142,10 @@ class KVPersister:
         self.chunk_tokens = chunk_tokens
         self.fingerprint = engine.loaded.fingerprint
 
-    def _meta(self, exact: bool) -> ChunkMeta:
+    def _meta(self, exact: bool, shift: Shift | None = None) -> ChunkMeta:
         return ChunkMeta(
             fingerprint=self.fingerprint,
-            kv_format=DENSE_FORMAT if exact else LOSSY_FORMAT,
+            kv_format=kv_format_for(exact, shift),
             dtype=str(self.engine.pool.kv.dtype).removeprefix("torch."),
             block_size=self.chunk_tokens,
             quant="none",
@@ -125,13 +155,14 @@ class KVPersister:
 
     def snapshot(self, seq: "Sequence", previous: SavedKV) -> Snapshot:
         """On the loop: copy the KV of ``seq``'s computed tokens that ``previous``
-        does not already hold (full chunks whose tokens are unchanged are kept by hash)."""
+        does not already hold (full chunks whose tokens are unchanged are kept by
+        hash; none once the window shifted since, as every kept key moved)."""
         pool = self.engine.pool
         C = self.chunk_tokens
         ids = list(seq.computed_ids)
         keep: list[ChunkInfo] = []
         off = 0
-        for info in previous.chunks:
+        for info in previous.chunks if previous.shift == seq.shift else ():
             if info.n_tokens != C or ids[off : off + C] != previous.token_ids[off : off + C]:
                 break
             keep.append(info)
@@ -141,7 +172,7 @@ class KVPersister:
             n = min(C, len(ids) - off)
             pieces.append((n, pool.read_tokens(seq, off, n).to("cpu")))
             off += n
-        return Snapshot(ids, seq.exact, keep, pieces)
+        return Snapshot(ids, seq.exact, keep, pieces, seq.shift)
 
     def write(self, session_id: str, snap: Snapshot) -> tuple[SavedKV, SaveResult]:
         """Write a snapshot's new chunks, then point the session at the new chunk
@@ -153,11 +184,11 @@ class KVPersister:
             StorageWriteError: disk full, read-only home, index failure. The
                 previous state on disk is intact.
         """
-        meta = self._meta(snap.exact)
+        meta = self._meta(snap.exact, snap.shift)
         new = [NewChunk(n, {KV_TENSOR: kv}, meta) for n, kv in snap.pieces]
         result = self.store.save_kv(session_id, token_ids=snap.token_ids, fingerprint=self.fingerprint,
                                     chunks=[*snap.keep, *new])
-        return SavedKV(snap.token_ids, list(result.chunks)), result
+        return SavedKV(snap.token_ids, list(result.chunks), snap.shift), result
 
     # -- restore -----------------------------------------------------------------------
 
@@ -203,9 +234,14 @@ class KVPersister:
                 engine.call(lambda: engine.tiers.restored(kv), "restored")
                 return saved
             cached_ids = store.cached_token_ids(kv.session_id)
-            if not engine.call(lambda: self._begin(kv, cached_ids, need_room), "begin restore"):
+            infos = store.kv_chunks(kv.session_id)
+            try:
+                shift = parse_kv_format(infos[0].kv_format)[1] if infos else None
+            except ValueError:
+                shift = None  # an unreadable tag: _load stops at the first chunk, the turn re-prefills
+            if not engine.call(lambda: self._begin(kv, cached_ids, need_room, shift), "begin restore"):
                 return None
-            saved = self._load(kv, cached_ids, info)
+            saved = self._load(kv, cached_ids, info, shift)
             engine.call(lambda: engine.tiers.restored(kv), "restored")
             return saved
         finally:
@@ -229,6 +265,14 @@ class KVPersister:
         if stored is None:
             return False
         n = min(PROBE_TOKENS, first.info.n_tokens)
+        try:
+            shift = parse_kv_format(first.info.kv_format)[1]
+        except ValueError:
+            return False
+        if shift is not None:  # past its sink, shifted KV is not what a fresh prefill computes
+            n = min(n, shift.sink)
+            if n == 0:
+                return False
         ids = list(first.token_ids[:n])
         engine = self.engine
 
@@ -253,14 +297,15 @@ class KVPersister:
         self.store.mark_kv_verified(session_id, kv_generation=kv_generation)
         return True
 
-    def _begin(self, kv: "TieredKV", cached_ids: list[int], need_room: bool) -> bool:
-        """On the loop: attach the shared prefix and make room for the rest."""
+    def _begin(self, kv: "TieredKV", cached_ids: list[int], need_room: bool, shift: Shift | None = None) -> bool:
+        """On the loop: attach the shared prefix (of a sequence with ``shift``) and make room for the rest."""
         pool = self.engine.pool
-        matched, _ = pool.prefix_plan(cached_ids + [-1])
+        matched, _ = pool.prefix_plan(cached_ids + [-1], shift)
         need = -(-len(cached_ids) // pool.block_size) - matched // pool.block_size
         if not self.engine.tiers.reclaim(need, exclude=kv) and need_room:
             return False
         # Blocks other sessions hold for the same prefix are shared, not reloaded.
+        kv.seq.shift = shift
         pool.match_prefix(kv.seq, cached_ids + [-1])
         kv.seq.token_ids = list(cached_ids[: kv.seq.num_computed])
         return True
@@ -273,7 +318,7 @@ class KVPersister:
             return False
         return True
 
-    def _load(self, kv: "TieredKV", cached_ids: list[int], info: RestoreInfo) -> SavedKV:
+    def _load(self, kv: "TieredKV", cached_ids: list[int], info: RestoreInfo, shift: Shift | None = None) -> SavedKV:
         engine, store = self.engine, self.store
         L, two, _, _, h, d = engine.pool.kv.shape
         chunks: list[ChunkInfo] = []
@@ -307,10 +352,20 @@ class KVPersister:
                 if not settle():
                     full = False
                     break
+                try:
+                    base, chunk_shift = parse_kv_format(loaded.info.kv_format)
+                except ValueError:
+                    base, chunk_shift = loaded.info.kv_format, ...
+                if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
+                    info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "
+                                    f"loaded {kv.seq.num_computed} tokens, re-prefilling the rest")
+                    kv.lost = "its stored KV mixed differently shifted windows"
+                    full = False
+                    break
                 skip = max(0, start - off)
                 if skip < n:
                     ids, part = loaded.token_ids[skip:], tensor[:, :, skip:]
-                    exact = loaded.info.kv_format == DENSE_FORMAT
+                    exact = base == DENSE_FORMAT
                     pending = (engine.scheduler.submit_job(lambda i=ids, p=part, e=exact: self._write(kv, i, p, e),
                                                            "restore chunk"), loaded.info)
                 else:
@@ -330,7 +385,7 @@ class KVPersister:
                 pending = None
         info.cached_tokens = kv.seq.num_computed
         if full:
-            return SavedKV(cached_ids, chunks)
+            return SavedKV(cached_ids, chunks, shift)
         good = sum(c.n_tokens for c in chunks)
 
         def cut() -> None:
@@ -340,4 +395,4 @@ class KVPersister:
 
         engine.call(cut, "cut restore")
         info.cached_tokens = kv.seq.num_computed
-        return SavedKV(cached_ids[:good], chunks)
+        return SavedKV(cached_ids[:good], chunks, shift)

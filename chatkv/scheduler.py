@@ -477,7 +477,7 @@ class Scheduler:
         if not req.preempted:
             n = min(req.todo, budget)
             return n, pool.blocks_needed(seq, n)
-        matched, revived = pool.prefix_plan(seq.token_ids)
+        matched, revived = pool.prefix_plan(seq.token_ids, seq.shift)
         n = min(len(seq.token_ids) - matched, budget)
         bs = pool.block_size
         return n, revived + -(-(matched + n) // bs) - matched // bs

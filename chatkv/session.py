@@ -23,6 +23,7 @@ A turn, whatever started it (``send``, ``append``, ``regenerate``, ``edit``):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -33,16 +34,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chatkv.block_pool import Alignment
+from chatkv.sequence import Shift
 from chatkv.config import SamplingParams
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.persistence import KVPersister, SavedKV
 from chatkv.stats import RestoreInfo, TurnStats
-from chatkv.storage import StorageError
 from chatkv.tiers import Tier, TieredKV
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
-    from chatkv.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,52 @@ ROLES = ("system", "user", "assistant")
 #: raises ContextWindowExceededError; ``trim`` leaves the oldest whole turns
 #: after the system prompt out of the window (the history keeps them) until the
 #: turn and its reply budget fit in half the window, so the kept turns are
-#: prefilled once and then reused, as is the system prompt's KV.
-CONTEXT_POLICIES = ("error", "trim")
+#: prefilled once and then reused, as is the system prompt's KV; ``sink``
+#: (StreamingLLM, llama.cpp's context shift) keeps the first tokens (the sink)
+#: and the most recent window in the cache, dropping the oldest tokens after the
+#: sink in whole blocks and shifting the kept keys' rotary positions in place
+#: (:mod:`chatkv.rope`), so nothing is re-prefilled (see :class:`SinkPolicy`).
+CONTEXT_POLICIES = ("error", "trim", "sink")
+
+
+@dataclass(frozen=True)
+class SinkPolicy:
+    """Sizes of the ``sink`` context policy.
+
+    Attributes:
+        sink_tokens: tokens at the start of the conversation that always stay
+            in the cache (rounded up to whole KV blocks).
+        window_tokens: when a turn and its reply budget would not fit, the
+            oldest tokens after the sink are dropped until the sink, the kept
+            recent tokens and the reply budget take at most ``sink + window``
+            tokens; None: half the context window (so a drop is followed by
+            several turns without one). Never below what the new turn needs.
+    """
+
+    sink_tokens: int = 4
+    window_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        from chatkv.errors import ConfigError
+
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ConfigError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        if self.window_tokens is not None and (not isinstance(self.window_tokens, int) or self.window_tokens < 1):
+            raise ConfigError(f"sink_window must be a positive int or None, got {self.window_tokens!r}")
+
+
+def rope_shift(engine: "Engine"):  # -> chatkv.rope.RopeShift
+    """The exact key shift of ``engine``'s model, computed once per model.
+
+    Raises:
+        ConfigError: the model's positions cannot be shifted exactly (see :func:`chatkv.rope.rope_shift_for`).
+    """
+    from chatkv.rope import rope_shift_for
+
+    extra = engine.loaded.extra
+    if "rope_shift" not in extra:
+        extra["rope_shift"] = rope_shift_for(engine.loaded.model)
+    return extra["rope_shift"]
 
 
 @dataclass
@@ -144,6 +188,7 @@ class Session:
         self.opened = threading.Event()
         self.open_error: BaseException | None = None
         self.released = threading.Event()  # set once a closed session let go of its KV and lease
+        self.policy = "trim"  # the context policy of the last turn (how its KV maps to the history)
         self.lock = threading.Lock()
         self._mu = threading.Lock()
         self._in_turn = False
@@ -179,6 +224,94 @@ class Session:
     def _align(self, ids: list[int]) -> Alignment:
         return self.engine.pool.align(self.kv.seq, ids)
 
+    def _align_sink(self, stream: list[int], protect: int, reserve: int, generate: bool,
+                    sink: SinkPolicy) -> tuple[Alignment, int]:
+        """On the loop: align the KV to ``stream`` (the whole conversation's
+        ids) under the sink policy; returns the alignment and how many tokens
+        this turn dropped. The KV holds ``stream[:sink] + stream[sink + dropped:]``
+        (:class:`~chatkv.sequence.Shift`); when that plus ``reserve`` would not
+        fit the window, the oldest cached tokens after the sink are dropped in
+        whole blocks and the kept keys rotated down in place, so nothing is
+        recomputed. The last ``protect`` tokens (the new turn) are never dropped.
+
+        Raises:
+            ContextWindowExceededError: the new turn alone does not fit (nothing changed).
+        """
+        from chatkv.rope import shift_blocks
+
+        engine, pool, seq = self.engine, self.engine.pool, self.kv.seq
+        bs = pool.block_size
+        rope = rope_shift(engine)
+        limit = engine.max_context - (1 if generate else 0)
+        reserve = min(reserve, limit // 4)
+        shift = seq.shift
+        if shift is not None and len(stream) - protect < shift.sink + shift.dropped:
+            # The history no longer reaches past what was dropped (a rewind, an edit,
+            # a reset): the window starts again from the sink, which is still valid.
+            pool.truncate(seq, min(seq.num_computed, shift.sink))
+            del seq.token_ids[seq.num_computed:]
+            seq.shift = shift = None
+        s = shift.sink if shift is not None else -(-sink.sink_tokens // bs) * bs
+        d = shift.dropped if shift is not None else 0
+        view = stream[:s] + stream[s + d:] if d else list(stream)
+        if len(view) + reserve <= limit:
+            return pool.align(seq, view), 0
+        goal = min(limit, s + sink.window_tokens) if sink.window_tokens is not None else limit // 2
+        least = -(-(len(view) + reserve - limit) // bs) * bs
+        most = (len(view) - protect - s) // bs * bs
+        e = max(least, min(-(-(len(view) + reserve - goal) // bs) * bs, most))
+        if e > most or e <= 0:
+            raise ContextWindowExceededError(
+                f"the last turn does not fit the context window of {engine.max_context} tokens with the "
+                f"{s}-token sink and {reserve} tokens for the reply")
+        cached = seq.num_computed
+        c = 0
+        limit_c = min(cached, len(view))
+        while c < limit_c and seq.token_ids[c] == view[c]:
+            c += 1
+        h = hashlib.sha256(shift.key if shift is not None else b"")
+        h.update(s.to_bytes(8, "little"))
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in view[s:s + e]))
+        new = Shift(s, d + e, h.digest()[:10])
+        if c >= s + e:
+            pool.drop_and_shift(seq, s, e, new, lambda kv, blocks, n: shift_blocks(kv, blocks, n, rope))
+        else:  # what would be dropped is not all cached (lost KV, a new session): keep the sink, recompute the rest
+            keep = min(c, s, cached)
+            if keep < cached:
+                pool.truncate(seq, keep)
+            del seq.token_ids[seq.num_computed:]
+            seq.shift = new
+        log.info("session %s: the sink policy dropped %d tokens from the window (%d in all)",
+                 self.session_id, e, new.dropped)
+        return pool.align(seq, view[:s] + view[s + e:]), e
+
+    def _mark_dropped(self, history: list[Message], shift: Shift) -> list[Message]:
+        """``history`` with the messages whose every token was dropped by the
+        sink policy (they lie in ``[sink, sink + dropped)`` of the stream) marked
+        ``outside``. Message ends are found by bisection, a few encodings."""
+        lo, hi = shift.sink, shift.sink + shift.dropped
+        encode = self.engine.encode_chat
+        ends: dict[int, int] = {}
+
+        def end(i: int) -> int:  # tokens of history[:i + 1]
+            if i not in ends:
+                ends[i] = len(encode([m.as_dict() for m in history[: i + 1]], add_generation_prompt=False))
+            return ends[i]
+
+        def first_true(pred, a: int, b: int) -> int:  # smallest i in [a, b) with pred(i), else b
+            while a < b:
+                mid = (a + b) // 2
+                if pred(mid):
+                    b = mid
+                else:
+                    a = mid + 1
+            return a
+
+        n = len(history)
+        first = first_true(lambda i: (end(i - 1) if i else 0) >= lo, 0, n)  # first message starting at or after lo
+        stop = first_true(lambda i: end(i) > hi, first, n)  # first message ending past hi
+        return [dataclasses.replace(m, outside=True) if first <= i < stop else m for i, m in enumerate(history)]
+
     def _unpin(self) -> None:
         self.kv.pins -= 1
         self.kv.last_used = time.monotonic()
@@ -197,6 +330,8 @@ class Session:
         window marked: ``(ids, history, messages newly left out)``. The one
         context-window check, before any KV work."""
         engine = self.engine
+        if policy == "sink":  # the whole stream: the KV holds its sink and recent window (see _align_sink)
+            return engine.encode_chat([m.as_dict() for m in history], add_generation_prompt=generate), history, 0
         sys_n = 1 if history and history[0].role == "system" else 0
         start = sys_n
         while start < len(history) and history[start].outside:
@@ -229,9 +364,12 @@ class Session:
         log.info("session %s: %d messages left the context window", self.session_id, first - start)
         return ids, marked, first - start
 
-    def _bring_up(self, ids: list[int] | None, stats: TurnStats) -> None:
+    def _bring_up(self, ids: list[int] | None, stats: TurnStats,
+                  sink: tuple[int, int, bool, SinkPolicy] | None = None) -> None:
         """Pin, promote (restoring from disk if needed) and align to ``ids`` (if
-        given). The session stays pinned when this returns normally or raises."""
+        given; under the sink policy ``sink`` is ``(protect, reserve, generate,
+        sizes)`` of :meth:`_align_sink`). The session stays pinned when this
+        returns normally or raises."""
         engine = self.engine
         source = engine.call(self._prepare, "prepare turn")
         stats.kv_source = source
@@ -245,7 +383,11 @@ class Session:
             lost = info.warning or self.kv.lost
         if ids is None:
             return
-        align = engine.call(lambda: self._align(ids), "align")
+        if sink is None:
+            align = engine.call(lambda: self._align(ids), "align")
+        else:
+            align, stats.shifted_tokens = engine.call(lambda: self._align_sink(ids, *sink), "align")
+            ids = self.kv.seq.token_ids
         stats.prompt_tokens = len(ids)
         stats.reused_tokens = align.kept
         stats.prefix_cache_tokens = align.prefix_cache
@@ -257,15 +399,17 @@ class Session:
         self.kv.lost = None
 
     def turn(self, history: list[Message], params: SamplingParams, stats: TurnStats,
-             policy: str = "trim") -> Iterator[str]:
+             policy: str = "trim", sink: SinkPolicy | None = None) -> Iterator[str]:
         """Run a generating turn on ``history`` (ending with the user message),
         yielding the reply's pieces; ``policy`` (see :data:`CONTEXT_POLICIES`)
         says what happens when it outgrows the window. When it ends with at least one token, the
         history becomes ``history`` plus the reply (``partial`` if interrupted)
         and is saved; otherwise nothing changes. The caller holds :attr:`lock`."""
         ids, history, stats.trimmed_messages = self._ids(history, True, params.max_new_tokens, policy)
+        self.policy = policy
         try:
-            self._bring_up(ids, stats)
+            self._bring_up(ids, stats, self._sink_args(history, ids, params.max_new_tokens, True, policy, sink))
+            history = self._after_shift(history, stats)
             failed = False
             try:
                 yield from self.engine.generate(self.kv.seq, params, stats)
@@ -283,18 +427,40 @@ class Session:
             self.unpin_later()
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
 
-    def prefill(self, history: list[Message], stats: TurnStats, policy: str = "trim") -> None:
+    def prefill(self, history: list[Message], stats: TurnStats, policy: str = "trim",
+                sink: SinkPolicy | None = None) -> None:
         """Teacher-force ``history`` into the KV without generating, make it the
         session's history and save it. The caller holds :attr:`lock`."""
         ids, history, stats.trimmed_messages = self._ids(history, False, 0, policy)
+        self.policy = policy
         try:
-            self._bring_up(ids, stats)
+            self._bring_up(ids, stats, self._sink_args(history, ids, 0, False, policy, sink))
+            history = self._after_shift(history, stats)
             stats.prefilled_tokens = self.engine.prefill(self.kv.seq, stats)
             self.messages = list(history)
             self.persist(stats)
         finally:
             self.unpin_later()
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
+
+    def _sink_args(self, history: list[Message], ids: list[int], reserve: int, generate: bool, policy: str,
+                   sink: SinkPolicy | None) -> tuple[int, int, bool, SinkPolicy] | None:
+        """The sink policy's arguments for :meth:`_bring_up` (None under another policy)."""
+        if policy != "sink":
+            return None
+        before = self.engine.encode_chat([m.as_dict() for m in history[:-1]], add_generation_prompt=False) \
+            if len(history) > 1 else []
+        protect = len(ids) - len(before) if ids[: len(before)] == before else len(ids)
+        return max(protect, 1), reserve, generate, sink or SinkPolicy()
+
+    def _after_shift(self, history: list[Message], stats: TurnStats) -> list[Message]:
+        """After a turn's sink drop, ``history`` with the dropped messages marked ``outside``."""
+        shift = self.kv.seq.shift
+        if not stats.shifted_tokens or shift is None:
+            return history
+        marked = self._mark_dropped(history, shift)
+        stats.trimmed_messages = sum(m.outside and not o.outside for m, o in zip(marked, history))
+        return marked
 
     def set_history(self, messages: list[Message]) -> None:
         """Replace the history (a rewind, a new system prompt, a reset) and save it.
@@ -303,12 +469,20 @@ class Session:
         caller holds :attr:`lock`."""
         self.messages = list(messages)
         if messages:
-            kept = [m for i, m in enumerate(messages) if not (m.outside and i)]
+            sink = self.policy == "sink"  # its KV holds a view of the whole stream
+            kept = [m for i, m in enumerate(messages) if sink or not (m.outside and i)]
             ids = self.engine.encode_chat([m.as_dict() for m in kept], add_generation_prompt=False)
 
             def trim() -> None:
                 if self.kv.tier is Tier.DEVICE and not self.kv.pins:
-                    self.engine.pool.trim_to(self.kv.seq, ids)
+                    seq, view = self.kv.seq, ids
+                    shift = seq.shift
+                    if shift is not None and len(ids) <= shift.sink + shift.dropped:
+                        self.engine.pool.truncate(seq, min(seq.num_computed, shift.sink))
+                        seq.shift = None  # the sink's KV is the stream's own
+                    elif shift is not None:
+                        view = ids[: shift.sink] + ids[shift.sink + shift.dropped:]
+                    self.engine.pool.trim_to(seq, view)
             self.engine.call(trim, "trim dead KV")
         self.persist()
 

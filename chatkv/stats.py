@@ -26,7 +26,9 @@ class TurnStats:
             differently) and were released.
         prefix_cache_tokens: reused tokens found in blocks other sessions share.
         trimmed_messages: messages this turn left out of the model's window
-            (``context_policy="trim"``; the history keeps them).
+            (``context_policy="trim"`` or ``"sink"``; the history keeps them).
+        shifted_tokens: tokens the ``sink`` policy dropped from the cache this
+            turn (the kept keys were shifted in place, not recomputed).
         token_ids: the generated token ids (the last may be EOS).
         text: the generated text (stop strings excluded).
         finish_reason: ``"eos"``, ``"stop"``, ``"length"``, ``"context"``,
@@ -53,6 +55,7 @@ class TurnStats:
     discarded_tokens: int = 0
     prefix_cache_tokens: int = 0
     trimmed_messages: int = 0
+    shifted_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
