@@ -560,14 +560,18 @@ class Repl:
 @click.option("--stop", multiple=True, help="Stop a reply at this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True,
               help="Keep generating past the end-of-sequence token (benchmarks, tests).")
-@click.option("--context-policy", "context_policy", type=click.Choice(["trim", "error"]), default="trim",
+@click.option("--context-policy", "context_policy", type=click.Choice(["trim", "sink", "error"]), default="trim",
               show_default=True,
               help="When the conversation outgrows the model's window: trim leaves the oldest turns out "
-                   "of the window (the history keeps them); error refuses the turn.")
+                   "of the window (the history keeps them); sink keeps the first tokens and the most "
+                   "recent ones, shifting the kept keys in place so nothing is re-prefilled; error "
+                   "refuses the turn.")
+@click.option("--sink-tokens", "sink_tokens", default=4, show_default=True, type=click.IntRange(min=0),
+              help="With --context-policy sink: tokens at the start always kept (rounded up to KV blocks).")
 @click.option("--plain", is_flag=True, help="Plain line input without line editing or history.")
 def repl(session_id: str | None, system: str | None, system_file: Path | None, model: str | None,
          dtype: str | None, kv_quant: str | None, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-         stop: tuple[str, ...], ignore_eos: bool, context_policy: str, plain: bool) -> None:
+         stop: tuple[str, ...], ignore_eos: bool, context_policy: str, sink_tokens: int, plain: bool) -> None:
     """Chat in the terminal, streaming replies; the session persists across restarts.
 
     Ctrl-C stops a reply (kept, marked interrupted); Ctrl-D or /exit saves and
@@ -590,7 +594,7 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
     sid = session_id or fresh_session_id()
     options: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                                   context_policy=context_policy)
+                                   context_policy=context_policy, sink_tokens=sink_tokens)
     with open_store() as store:
         note(f"loading model {model or 'default'}…")
         chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant,

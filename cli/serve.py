@@ -149,9 +149,10 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
               help="Reply limit when a request sets none (default: until end of sequence or the context window).")
 @click.option("--default-temperature", default=1.0, show_default=True, type=click.FloatRange(0, 2),
               help="Temperature when a request sets none (1 as in OpenAI's API; 0 is greedy).")
-@click.option("--context-policy", type=click.Choice(["error", "trim"]), default="error", show_default=True,
+@click.option("--context-policy", type=click.Choice(["error", "trim", "sink"]), default="error", show_default=True,
               help="A conversation longer than the window: error answers 400 context_length_exceeded (as "
-                   "OpenAI's API); trim leaves its oldest turns out of the window.")
+                   "OpenAI's API); trim leaves its oldest turns out of the window; sink keeps its first and "
+                   "most recent tokens cached, shifting kept keys in place (nothing is re-prefilled).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds a shutdown waits for replies in flight before cutting them (partial replies kept).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),

@@ -256,3 +256,16 @@ def test_a_rewind_into_the_dropped_part_starts_the_window_again():
     assert s.shifted_tokens == 0 and s.reused_tokens >= 4  # the sink (the system prompt's start) was kept
     assert len(chat.messages) == 5
     chat.close()
+
+
+def test_the_repl_takes_the_sink_policy():
+    from click.testing import CliRunner
+
+    from chatkv.cli.main import main
+
+    args = ["repl", "--model", "tiny:llama", "--session", "sink-repl", "--max-new-tokens", "4",
+            "--context-policy", "sink", "--sink-tokens", "8"]
+    res = CliRunner().invoke(main, args, input="hi\nthere\n", catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("[reused") == 2
+    assert "sink" in CliRunner().invoke(main, ["repl", "--help"]).stdout

@@ -79,8 +79,10 @@ class ServerConfig:
             until end of sequence or the context window, as OpenAI's API).
         default_temperature: when a request sets none (OpenAI's default is 1).
         context_policy: a history longer than the window: ``error`` (400
-            ``context_length_exceeded``, as OpenAI) or ``trim`` (the oldest turns
-            leave the window; see :class:`chatkv.Chat`'s ``context_policy``).
+            ``context_length_exceeded``, as OpenAI), ``trim`` (the oldest turns
+            leave the window) or ``sink`` (the first and the most recent tokens
+            stay cached, kept keys shifted in place); see :class:`chatkv.Chat`'s
+            ``context_policy``.
         threads: worker threads for the blocking parts of requests (opening and
             saving sessions, the index); generation itself needs none.
     """
@@ -444,8 +446,12 @@ def create_app(engine: "Engine", store: "Store", config: ServerConfig | None = N
 
     config = config or ServerConfig()
     keys = keys or KeyRing()
-    if config.context_policy not in ("error", "trim"):
-        raise ConfigError(f"context_policy must be 'error' or 'trim', got {config.context_policy!r}")
+    if config.context_policy not in ("error", "trim", "sink"):
+        raise ConfigError(f"context_policy must be 'error', 'trim' or 'sink', got {config.context_policy!r}")
+    if config.context_policy == "sink":
+        from chatkv.session import rope_shift
+
+        rope_shift(engine)  # refuse a model whose positions cannot be shifted, at start
     chat_options: dict[str, Any] = {"context_policy": config.context_policy}
     model_name = config.model_name or engine.loaded.name
     names = frozenset({model_name, engine.loaded.name, *config.aliases})
