@@ -8,7 +8,8 @@ and durability switched off (``fsync``, ``synchronous_commit``): the cluster
 lives for one test session and is removed by :meth:`PgCluster.stop`.
 
 ``initdb`` refuses to run as root, so under root the binaries run as the
-``postgres`` user (``runuser``), in a directory that user owns. Nothing here
+``postgres`` user (else ``nobody``) through ``runuser``, in a directory that
+user owns. Nothing here
 imports torch or SQLAlchemy; the driver (``psycopg``, the ``postgres``
 extra) is needed only by :meth:`PgCluster.create_database` and friends.
 
@@ -78,6 +79,19 @@ def find_bindir() -> Path:
                         "(Debian: apt-get install postgresql; or set CHATKV_PG_BINDIR)")
 
 
+def _unprivileged_user() -> str:
+    """Who runs the server binaries under root (``initdb`` refuses root): ``postgres``, else ``nobody``."""
+    import pwd
+
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise PgUnavailable("running as root, and there is neither a postgres nor a nobody user to run initdb as")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -108,7 +122,7 @@ class PgCluster:
         self.port = port or free_port()
         self.host = "127.0.0.1"
         self.max_connections = max_connections
-        self._user = "postgres" if os.geteuid() == 0 else None
+        self._user = _unprivileged_user() if os.geteuid() == 0 else None
         self.running = False
 
     # ------------------------------------------------------------------ running the binaries
