@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 _SERVER = textwrap.dedent("""
     import json, sys, warnings

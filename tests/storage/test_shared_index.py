@@ -292,3 +292,35 @@ def test_a_write_cut_by_a_restart_fails_and_commits_nothing(db_backend: str, hom
         assert [m.content for m in st.messages("s")] == ["kept"]  # nothing of the cut transaction
         st.append_message("s", "assistant", "retried")
         assert [m.content for m in st.messages("s")] == ["kept", "retried"]
+
+
+def test_the_cli_finds_chunks_in_the_kv_dir(tmp_path: Path, shared_url: str) -> None:
+    kv = tmp_path / "shared-kv"
+    ids = list(range(150))
+    with Store(tmp_path / "server", db_url=shared_url, kv_dir=kv) as st:
+        st.open_session("s", fingerprint=FP)
+        st.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    env = {**os.environ, "CHATKV_HOME": str(tmp_path / "cli-home"), "CHATKV_DB_URL": shared_url,
+           "CHATKV_KV_DIR": str(kv)}
+    cli = [sys.executable, "-m", "chatkv.cli.main", "sessions"]
+    ls = subprocess.run([*cli, "ls", "--json"], env=env, capture_output=True, text=True, timeout=120, cwd=_ROOT)
+    assert ls.returncode == 0, ls.stderr
+    assert [(r["id"], r["n_cached"]) for r in json.loads(ls.stdout)] == [("s", 150)]
+    gc = subprocess.run([*cli, "gc", "--dry-run", "--grace", "0", "--json"], env=env, capture_output=True, text=True,
+                        timeout=120, cwd=_ROOT)
+    assert gc.returncode == 0, gc.stderr
+    report = json.loads(gc.stdout)
+    found = json.dumps(report)
+    assert "dangling" in found and all(not v for k, v in _walk(report) if k in ("dangling_chunks", "orphan_files"))
+    assert len(list(kv.glob("*/*.safetensors"))) == 3
+
+
+def _walk(d):
+    """(key, value) of every key in a nested JSON object."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(d, list):
+        for v in d:
+            yield from _walk(v)
