@@ -39,10 +39,12 @@ from chatkv.config import SamplingParams
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.persistence import KVPersister, SavedKV
 from chatkv.stats import RestoreInfo, TurnStats
+from chatkv.storage import LeaseLostError, StorageError
 from chatkv.tiers import Tier, TieredKV
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
+    from chatkv.storage import Lease, Store
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +191,9 @@ class Session:
         self.open_error: BaseException | None = None
         self.released = threading.Event()  # set once a closed session let go of its KV and lease
         self.policy = "trim"  # the context policy of the last turn (how its KV maps to the history)
+        #: The session's lease in :attr:`store` (None for an in-process session):
+        #: every write is fenced by it; once lost, every turn and save raises LeaseLostError.
+        self.lease: "Lease | None" = None
         self.lock = threading.Lock()
         self._mu = threading.Lock()
         self._in_turn = False
@@ -202,12 +207,35 @@ class Session:
 
         Raises:
             SessionBusyError: a turn is already in flight on this session.
+            LeaseLostError: this process lost the session's lease (another
+                owner took it over): nothing more is done or written here.
         """
         with self._mu:
             if self._in_turn:
                 raise SessionBusyError(f"session {self.session_id!r} already has a turn in flight")
             self._in_turn = True
         self.lock.acquire()
+        try:
+            self.check_lease()
+        except BaseException:
+            self.end_turn()
+            raise
+
+    def check_lease(self) -> None:
+        """Make sure this process still holds the session's lease (a no-op
+        without a store): cheap while renewal keeps up, a renewal now when it
+        is overdue (see :meth:`chatkv.storage.Lease.ensure`).
+
+        Raises:
+            LeaseLostError: the lease was taken over; the session is lost here.
+        """
+        if self.lease is not None:
+            self.lease.ensure()
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once this process found the session's lease taken over by another owner."""
+        return self.lease is not None and self.lease.lost
 
     def end_turn(self) -> None:
         """Release what :meth:`begin_turn` claimed."""
@@ -528,7 +556,13 @@ class Session:
         """Save what the store lacks: the history (rewritten from the first
         message that differs, in one transaction), then the KV chunks, if the
         KV is on the device. Storage failures warn and leave the in-memory
-        conversation intact (the next save retries). The caller holds :attr:`lock`."""
+        conversation intact (the next save retries). The caller holds :attr:`lock`.
+
+        Raises:
+            LeaseLostError: the lease was lost: nothing was written, and nothing
+                will be from this process (never a silent interleaving with
+                the new holder's writes).
+        """
         store, persister = self.store, self.persister
         if store is None or persister is None:
             return
@@ -542,6 +576,8 @@ class Session:
                 self.kv.disk_bytes = sum(c.bytes for c in self.saved.chunks)
                 if stats is not None:
                     stats.bytes_written = result.bytes_written
+        except LeaseLostError:
+            raise
         except StorageError as exc:
             message = f"could not save session {self.session_id!r}: {exc}; the conversation continues in memory"
             if stats is not None:
@@ -658,10 +694,15 @@ class SessionManager:
     def _open_stored(self, session: Session, store: "Store", lease_timeout_s: float,
                      system: str | None) -> None:
         engine, sid = self.engine, session.session_id
-        existed = store.has_session(sid)
-        store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
-        store.acquire_lease(sid, timeout_s=lease_timeout_s)
+
+        def waiting(holder: str) -> None:
+            log.info("session %r is in use by %s; waiting up to %.1f s for its lease", sid, holder, lease_timeout_s)
+
+        # The lease first: what is read below is what the previous holder committed.
+        session.lease = store.acquire_lease(sid, timeout_s=lease_timeout_s, on_wait=waiting)
         try:
+            existed = store.has_session(sid)
+            store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
             records = store.messages(sid)
             session.messages = [Message(r.role, r.content, r.partial, r.outside_window) for r in records]
             session._stored = [dataclasses.replace(m) for m in session.messages]
@@ -717,7 +758,10 @@ class SessionManager:
         try:
             session.ready.wait()
             with session.lock:
-                session.persist()
+                try:
+                    session.persist()
+                except LeaseLostError as exc:  # the new holder's history stands; this one's last changes go
+                    log.warning("session %r closed without saving: %s", session.session_id, exc)
                 if session.store is None:
                     session.forget_kv()
                     return

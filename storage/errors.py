@@ -36,6 +36,41 @@ class SessionLockedError(StorageError):
         )
 
 
+class LeaseLostError(SessionLockedError):
+    """This holder had the session's lease and lost it: it lapsed (the process
+    was paused, or cut off from the index, past its expiry) and another owner
+    took it over, or the session was deleted.
+
+    Raised by every write the old holder attempts after the takeover, and by
+    its next turn; nothing of the refused write is committed. Its in-memory
+    view of the session may be stale, so it must stop writing the session:
+    close it and open it again to continue from what the store holds.
+
+    Attributes:
+        session_id: the session.
+        lost_by: this holder's owner id.
+        generation: the fencing token it held.
+        owner: the owner that holds the lease now (``"(nobody)"`` if it was
+            released or deleted since).
+        holder_generation: the lease row's generation now, if it exists.
+    """
+
+    def __init__(self, session_id: str, lost_by: str, generation: int, holder: str | None = None,
+                 holder_generation: int | None = None) -> None:
+        self.session_id = session_id
+        self.lost_by = lost_by
+        self.generation = generation
+        self.owner = holder or "(nobody)"
+        self.holder_generation = holder_generation
+        self.expires_in_s = 0.0
+        by = f"taken over by {holder} (generation {holder_generation})" if holder else "taken over or deleted"
+        StorageError.__init__(
+            self,
+            f"this process lost the lease on session {session_id!r} (generation {generation}): it was {by}; "
+            "nothing more is written to it from here: close it and open it again",
+        )
+
+
 class StorageWriteError(StorageError):
     """A file or index write failed (disk full, read-only home, I/O error).
 

@@ -98,12 +98,20 @@ def _v5_session_retention(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE chatkv_sessions ADD COLUMN kv_ttl_s FLOAT")
 
 
+def _v6_lease_generation(conn: Connection) -> None:
+    # Fencing tokens (issue 12): every acquire of a lease bumps its generation,
+    # and a holder's writes are conditional on the one it took. Rows from
+    # before start at 0, so the next taker's is 1.
+    conn.exec_driver_sql("ALTER TABLE chatkv_leases ADD COLUMN generation INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
     Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
     Migration(3, "messages.flags (bit 0: a reply cut short)", _v3_message_flags),
     Migration(4, "chunks.verified; pending files (crash debris); meta (lost index)", _v4_provenance_and_debris),
     Migration(5, "sessions.pinned, sessions.kv_ttl_s (retention per conversation)", _v5_session_retention),
+    Migration(6, "leases.generation (the fencing token)", _v6_lease_generation),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 #: The oldest schema a read-only Store (which cannot migrate) still lists and shows.

@@ -146,7 +146,9 @@ class SessionChunkRow(Base):
 
 
 class LeaseRow(Base):
-    """v2: who is using a session now, until when. No FK: a lease may precede the session row."""
+    """v2: who is using a session now, until when. No FK: a lease may precede the session row.
+
+    A released lease keeps its row (expiring at the epoch), so generations keep growing."""
 
     __tablename__ = "chatkv_leases"
     session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -154,6 +156,9 @@ class LeaseRow(Base):
     acquired_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     renewed_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: v6: the fencing token. Bumped by every acquire (a takeover included); a
+    #: holder's writes are conditional on the generation it took (:mod:`.leases`).
+    generation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class PendingFileRow(Base):

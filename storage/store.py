@@ -49,6 +49,7 @@ from .db import make_engine, open_read_only, sqlite_path
 from .errors import (
     CorruptChunkError,
     FingerprintMismatchError,
+    LeaseLostError,
     MissingChunkError,
     SessionExistsError,
     SessionNotFoundError,
@@ -200,7 +201,8 @@ class Store(StoreUpkeep):
         kv_dir: the chunk files' directory; default ``$CHATKV_KV_DIR`` or
             ``<home>/kv``. Servers sharing one index share this directory too
             (each keeps its own home: owner locks, quarantine, REPL history).
-        owner: lease owner id; default ``host:pid:random`` (unique per Store).
+        owner: lease owner id; default ``host:pid:random:place`` (unique per
+            Store; see :func:`.leases.make_owner_id`).
         lease_ttl_s: how long a lease lives without renewal.
         clock: the current time (aware UTC) by which this Store judges whether
             another owner's lease has expired; default the system clock. Tests
@@ -319,7 +321,22 @@ class Store(StoreUpkeep):
         self.close()
 
     def _check_lease(self, s: Session, session_id: str) -> None:
-        leases.check_not_locked(s, session_id, self.owner, self.clock())
+        """The lease check of every write to ``session_id``, run in the write's
+        transaction before it writes anything.
+
+        If this Store holds the session's lease, the write is fenced by its
+        token (:func:`.leases.fence`: a conditional UPDATE of the lease row, so
+        a takeover is ordered before or after the whole write); a lost lease
+        refuses it with :class:`LeaseLostError`, whoever holds the session now.
+        Without a lease (the CLI, gc), the write may go ahead only while no
+        other live owner holds one (:class:`SessionLockedError`).
+        """
+        with self._lock:
+            lease = self._leases.get(session_id)
+        if lease is not None:
+            leases.fence(s, lease)
+        else:
+            leases.check_not_locked(s, session_id, self.owner, self.clock())
 
     def _get(self, s: Session, session_id: str) -> SessionRow:
         row = s.get(SessionRow, validate_session_id(session_id))
@@ -421,9 +438,14 @@ class Store(StoreUpkeep):
         return self.get_session(session_id)
 
     def touch(self, session_id: str, *, tier: str | None = None) -> None:
-        """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage)."""
+        """Set ``last_used_at`` to now and, if given, the session's ``tier`` label (opaque to storage).
+
+        Raises:
+            SessionNotFoundError, SessionLockedError (LeaseLostError for a holder that lost it).
+        """
         with self._tx() as s:
             row = self._get(s, session_id)
+            self._check_lease(s, session_id)
             row.last_used_at = utcnow()
             if tier is not None:
                 row.tier = tier
@@ -1142,31 +1164,42 @@ class Store(StoreUpkeep):
 
     def acquire_lease(self, session_id: str, *, timeout_s: float = 0.0, ttl_s: float | None = None,
                       auto_renew: bool = True, on_wait: Callable[[str], None] | None = None,
-                      on_renew: Callable[[leases.Lease], None] | None = None) -> leases.Lease:
+                      on_renew: Callable[[leases.Lease], None] | None = None,
+                      on_lost: Callable[[LeaseLostError], None] | None = None) -> leases.Lease:
         """Take the session's lease for this Store's owner, waiting up to ``timeout_s``.
 
         Other owners' writes to the session then fail with
-        :class:`SessionLockedError`, as does their ``acquire_lease``. An expired
-        lease (by this Store's ``clock``), or one whose owner process is dead on
-        this host, is taken over. :meth:`close` releases it.
+        :class:`SessionLockedError`, as does their ``acquire_lease``. A
+        released or expired lease (by this Store's ``clock``), or one whose
+        holder is provably gone (:func:`.leases.owner_is_dead`), is taken over;
+        the new lease's generation is larger than any before it. From then on
+        this Store's writes to the session are fenced by that generation: once
+        the lease is lost (another owner took it after it lapsed) they raise
+        :class:`LeaseLostError`, as do :meth:`Lease.renew` and
+        :meth:`Lease.ensure`. A lease this Store held on the id before is
+        superseded (its renewal stops). :meth:`close` releases it.
 
         Args:
             on_wait: called once with the holder's owner id if the lease is
                 held and the call starts waiting for it.
             on_renew: called with the lease after each automatic renewal.
+            on_lost: called once with the error when the lease is found lost.
 
         Raises:
             SessionLockedError: another live owner holds it past ``timeout_s``.
+            StorageWriteError: the index failed.
         """
         validate_session_id(session_id)
         try:
             lease = leases.acquire(self._session, session_id, self.owner, ttl_s=ttl_s or self.lease_ttl_s,
                                    timeout_s=timeout_s, auto_renew=auto_renew, clock=self.clock,
-                                   on_wait=on_wait, on_renew=on_renew)
+                                   on_wait=on_wait, on_renew=on_renew, on_lost=on_lost)
         except SQLAlchemyError as e:
             raise StorageWriteError(f"index write failed: {e}") from e
         with self._lock:
-            self._leases[session_id] = lease
+            old, self._leases[session_id] = self._leases.get(session_id), lease
+        if old is not None:
+            old.detach()
         return lease
 
     def lease_holder(self, session_id: str) -> str | None:
@@ -1177,7 +1210,8 @@ class Store(StoreUpkeep):
             return row.owner if row is not None else None
 
     def release_lease(self, session_id: str) -> None:
-        """Release this Store's lease on ``session_id`` if it holds one."""
+        """Release this Store's lease on ``session_id`` if it holds one (a lost
+        one is only forgotten: its row belongs to the new holder)."""
         with self._lock:
             lease = self._leases.pop(session_id, None)
         if lease is not None:

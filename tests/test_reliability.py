@@ -3,10 +3,13 @@ tokens, and bad input that fails before any side effect."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from chatkv import Chat, EngineConfig
 from chatkv.engine import Engine
 from chatkv.errors import ContextWindowExceededError, InvalidMessageError, OutOfBlocksError
 from chatkv.models import load_model
-from chatkv.storage import Store
+from chatkv.storage import LeaseLostError, Store
 
 from conftest import stock_copy
 
@@ -166,3 +169,116 @@ def test_repl_survives_invalid_utf8_on_stdin(tmp_path: Path):
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
     assert b"[reused" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- fenced leases
+
+PAUSED_CHAT = textwrap.dedent('''
+    import sys
+    from chatkv import Chat
+    from chatkv.storage import LeaseLostError, Store
+    store = Store(lease_ttl_s=1.5)  # renewed every 0.5 s
+    chat = Chat("paused", model="tiny:llama", store=store, system="sys", max_new_tokens=4)
+    chat.send("before the pause")
+    chat._session.lease._on_renew = lambda lease: print("renewed", flush=True)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        try:
+            if cmd == "close":
+                chat.close()
+                store.close()
+                print("closed", flush=True)
+                break
+            {"send": lambda: chat.send("after the pause"), "reset": chat.reset, "save": chat.save,
+             "set_system": lambda: chat.set_system("forged")}[cmd]()
+            print("ok", flush=True)
+        except LeaseLostError as e:
+            print("lost", e.owner, flush=True)
+''')
+
+
+def _line(child: subprocess.Popen) -> str:
+    line = child.stdout.readline()
+    assert line, child.stderr.read()[-3000:]
+    return line.strip()
+
+
+def _reply(child: subprocess.Popen) -> str:
+    while (line := _line(child)) == "renewed":
+        pass
+    return line
+
+
+def test_a_paused_chat_learns_it_lost_its_session_and_writes_nothing(tmp_path):
+    """A real process chats, is stopped (SIGSTOP) until its lease expires and
+    another process takes the session over and writes to it, then resumes
+    (SIGCONT): its next turn, and every later one, raises LeaseLostError, and
+    the store holds the successor's history with nothing of the paused one's
+    interleaved."""
+    child = subprocess.Popen([sys.executable, "-c", PAUSED_CHAT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert _reply(child) == "ready"
+        assert _line(child) == "renewed"  # stop it just after a renewal committed, outside any transaction
+        os.kill(child.pid, signal.SIGSTOP)
+        successor = Store()
+        try:
+            try:
+                successor.acquire_lease("paused", timeout_s=120)  # waits out the expiry, then keeps it
+                before = [m.content for m in successor.messages("paused")]
+                successor.append_message("paused", "user", "the successor's turn")
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            for cmd in ("send", "send", "set_system", "reset", "save"):
+                child.stdin.write(cmd + "\n")
+                child.stdin.flush()
+                assert _reply(child) == f"lost {successor.owner}", cmd
+            child.stdin.write("close\n")
+            child.stdin.flush()
+            assert _reply(child) == "closed"
+            assert child.wait(60) == 0, child.stderr.read()[-3000:]
+            assert successor.lease_holder("paused") is None  # still the successor's: the child's close left it
+            successor.append_message("paused", "assistant", "the successor goes on")
+        finally:
+            successor.close()
+        with Store() as store:
+            assert [m.content for m in store.messages("paused")] == before + ["the successor's turn",
+                                                                              "the successor goes on"]
+            assert before[:2] == ["sys", "before the pause"] and len(before) == 3
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_chat_waits_for_a_busy_session_with_lease_timeout():
+    engine = make_engine()
+    holder = Store()
+    holder.acquire_lease("busy")
+    got: list[Chat] = []
+    waiting = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting up to" in record.getMessage():
+                waiting.set()
+
+    handler = Seen()
+    logging.getLogger("chatkv.session").addHandler(handler)
+    logging.getLogger("chatkv.session").setLevel(logging.INFO)
+    try:
+        t = threading.Thread(target=lambda: got.append(Chat("busy", engine=engine, lease_timeout_s=120,
+                                                            max_new_tokens=2)))
+        t.start()
+        assert waiting.wait(60)  # it found the session held and is waiting, not failing
+        assert not got
+        holder.close()  # releases the lease
+        t.join(60)
+        assert got, "Chat did not get the session once it was released"
+        chat = got[0]
+        assert chat.send("hello")
+        chat.close()
+    finally:
+        logging.getLogger("chatkv.session").removeHandler(handler)
+        logging.getLogger("chatkv.session").setLevel(logging.NOTSET)
