@@ -105,6 +105,15 @@ def _v6_lease_generation(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE chatkv_leases ADD COLUMN generation INTEGER NOT NULL DEFAULT 0")
 
 
+def _v7_wide_byte_counts(conn: Connection) -> None:
+    # Byte counts as 64-bit integers: one session's KV passes 2 GiB (a 7B model
+    # in fp16 at about 4k tokens) and PostgreSQL's INTEGER is 32-bit. SQLite's
+    # INTEGER is 64-bit already; other backends keep what they have.
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql("ALTER TABLE chatkv_sessions ALTER COLUMN kv_bytes TYPE BIGINT")
+        conn.exec_driver_sql("ALTER TABLE chatkv_chunks ALTER COLUMN bytes TYPE BIGINT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, chunks, session_chunks", _v1_initial),
     Migration(2, "leases table; sessions.kv_generation", _v2_leases_and_generation),
@@ -112,6 +121,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "chunks.verified; pending files (crash debris); meta (lost index)", _v4_provenance_and_debris),
     Migration(5, "sessions.pinned, sessions.kv_ttl_s (retention per conversation)", _v5_session_retention),
     Migration(6, "leases.generation (the fencing token)", _v6_lease_generation),
+    Migration(7, "sessions.kv_bytes, chunks.bytes: 64-bit on PostgreSQL", _v7_wide_byte_counts),
 )
 LATEST_VERSION = MIGRATIONS[-1].version
 #: The oldest schema a read-only Store (which cannot migrate) still lists and shows.

@@ -51,7 +51,7 @@ from .records import ChunkUsage, DiskUsage, MessageRecord, SessionBytes, Session
 
 #: The schema versions these queries read (``migrations.LATEST_VERSION`` must be
 #: among them: a test checks it); any other falls back to :class:`~.store.Store`.
-SCHEMA_VERSIONS = (4, 5, 6)
+SCHEMA_VERSIONS = (4, 5, 6, 7)  # v7 only widened two integer columns on PostgreSQL
 
 #: ``chatkv_meta`` key of the lost-index record (``schema.META_INDEX_LOST``).
 _META_INDEX_LOST = "index_lost"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -74,7 +75,8 @@ class SessionRow(Base):
     # KV covers exactly cached_ids (n_cached of them) under `fingerprint`.
     n_cached: Mapped[int] = mapped_column(Integer, default=0)
     cached_ids: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
-    kv_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    #: v7: 64-bit (a session's KV may pass 2 GiB).
+    kv_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     tier: Mapped[str] = mapped_column(String(32), default="none")
     # v2: bumped by every KV commit, so a reader can tell states apart.
     kv_generation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -121,7 +123,7 @@ class ChunkRow(Base):
     parent: Mapped[str | None] = mapped_column(String(64), nullable=True)
     relpath: Mapped[str] = mapped_column(String(255))
     n_tokens: Mapped[int] = mapped_column(Integer)
-    bytes: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)  # v7: 64-bit
     fingerprint: Mapped[str] = mapped_column(String(200))
     kv_format: Mapped[str] = mapped_column(String(64))
     quant: Mapped[str] = mapped_column(String(64))

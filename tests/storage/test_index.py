@@ -245,3 +245,23 @@ def test_listing_is_one_query_with_correct_counts(store: Store) -> None:
         i = by_id[f"s{n}"]
         assert (i.n_messages, i.n_turns, i.n_cached, i.n_chunks) == (n, (n + 1) // 2, 70 * n, -(-70 * n // 64))
         assert store.get_session(f"s{n}") == i
+
+
+def test_byte_counts_past_2_gib_fit_and_v7_widens_an_older_postgresql_index(
+        home: Path, index_engine: Engine, db_backend: str) -> None:
+    big = 5 << 30  # a session's KV on a 7B model passes 2 GiB at about 4k tokens
+    with Store(home) as st:
+        st.open_session("s", fingerprint=FP)
+        ids = list(range(70))
+        st.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    if db_backend == "postgres":  # back to v6's 32-bit columns, as an index made before v7 has them
+        with index_engine.begin() as con:
+            con.execute(text("ALTER TABLE chatkv_sessions ALTER COLUMN kv_bytes TYPE INTEGER"))
+            con.execute(text("ALTER TABLE chatkv_chunks ALTER COLUMN bytes TYPE INTEGER"))
+            con.execute(text("DELETE FROM chatkv_schema WHERE version = 7"))
+    with Store(home) as st:  # (re)applies v7
+        with index_engine.begin() as con:
+            con.execute(text("UPDATE chatkv_sessions SET kv_bytes = :b"), {"b": big})
+            con.execute(text("UPDATE chatkv_chunks SET bytes = :b"), {"b": big})
+        assert st.get_session("s").kv_bytes == big and st.kv_chunks("s")[0].bytes == big
+        assert st.disk_usage().indexed_bytes == big * len(st.kv_chunks("s"))
