@@ -39,7 +39,7 @@ from chatkv.config import SamplingParams
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.persistence import KVPersister, SavedKV
 from chatkv.stats import RestoreInfo, TurnStats
-from chatkv.storage import LeaseLostError, StorageError
+from chatkv.storage import LeaseLostError, NewMessage, StorageError
 from chatkv.tiers import Tier, TieredKV
 
 if TYPE_CHECKING:
@@ -791,6 +791,12 @@ class SessionManager:
         try:
             parent._bring_up(None, TurnStats())  # pinned until the child shares its blocks
             chunk_tokens = parent.persister.chunk_tokens if parent.persister else 256
+            if store is not None:  # the child's row and whole history in one transaction: a fork is whole or absent
+                msgs = parent.messages
+                store.create_session(
+                    session_id, fingerprint=engine.loaded.fingerprint,
+                    system_prompt=msgs[0].content if msgs and msgs[0].role == "system" else None,
+                    messages=[NewMessage(m.role, m.content, None, m.partial, None, m.outside) for m in msgs])
             child = self.open(session_id, store=store, chunk_tokens=chunk_tokens)
             with child.lock:
                 def share() -> None:
