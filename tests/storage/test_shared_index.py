@@ -324,3 +324,30 @@ def _walk(d):
     elif isinstance(d, list):
         for v in d:
             yield from _walk(v)
+
+
+def test_one_store_serves_as_many_threads_as_chatkv_serve_runs(home: Path) -> None:
+    from chatkv.storage.db import MAX_OVERFLOW, POOL_SIZE
+
+    n = 40  # chatkv serve's 32 worker threads, plus lease renewals and restores
+    assert POOL_SIZE + MAX_OVERFLOW >= n
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+    with Store(home) as st:
+        def work(i: int) -> None:
+            try:
+                start.wait()
+                st.open_session(f"t{i}")
+                for k in range(3):
+                    st.append_message(f"t{i}", "user", f"m{k}")
+                assert len(st.messages(f"t{i}")) == 3
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(st.list_sessions()) == n
