@@ -89,6 +89,12 @@ class EngineConfig:
             pay for first-call costs (thread pool start, kernel selection and
             compilation, allocator growth, the chat template's compilation).
             A turn asked for meanwhile starts once it is done.
+        restore_policy: how a session that comes back from disk gets its KV:
+            ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
+            back or lets the next turn recompute it, whichever the engine's
+            measured disk bandwidth and prefill rate predict is faster
+            (:mod:`chatkv.costs`); ``"restore"`` always reads it;
+            ``"recompute"`` never does.
         tiers: the memory-tier policy (budgets, idle times, quantization) of
             the engine's sessions; None is :class:`TierConfig`'s defaults. It is
             engine-wide; :meth:`chatkv.engine.Engine.configure_tiers` changes it.
@@ -107,8 +113,13 @@ class EngineConfig:
     max_context: int | None = None
     dtype: str | None = None
     warmup: bool = True
+    restore_policy: str | None = None
 
     def __post_init__(self) -> None:
+        if self.restore_policy is not None:
+            from chatkv.costs import resolve_policy
+
+            resolve_policy(self.restore_policy)
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
         if self.dtype is not None and self.dtype != "auto":

@@ -26,6 +26,7 @@ from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
 from chatkv.config import WARMUP_DECODE_STEPS, WARMUP_PROMPT_TOKENS, EngineConfig, SamplingParams, TierConfig
+from chatkv.costs import CostModel, resolve_policy
 from chatkv.errors import ConfigError, ContextWindowExceededError
 from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
@@ -106,7 +107,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, self.config.block_size, num_layers, kv_heads, head_dim,
                               dtype, device, loaded.fingerprint)
         self.backend = get_backend(self.config.attention_backend, device)
-        self.runner = ModelRunner(loaded.model, self.pool, self.backend)
+        #: Measured prefill and disk-restore costs: restore or recompute (:mod:`chatkv.costs`).
+        self.costs = CostModel(resolve_policy(self.config.restore_policy))
+        self.runner = ModelRunner(loaded.model, self.pool, self.backend, self.costs)
         self.eos_ids = _eos_ids(loaded)
         self.tiers = TierManager(self, self.config.tiers)
         self.scheduler = Scheduler(self)

@@ -239,9 +239,20 @@ class KVPersister:
                 shift = parse_kv_format(infos[0].kv_format)[1] if infos else None
             except ValueError:
                 shift = None  # an unreadable tag: _load stops at the first chunk, the turn re-prefills
+            choice = engine.costs.choose(len(cached_ids), sum(i.bytes for i in infos))
+            info.decision, info.reason = choice.decision, choice.reason
+            if choice.decision == "recompute" and shift is None:  # a shifted window cannot be re-prefilled as is
+                log.info("session %s: %s", kv.session_id, choice.reason)
+                kv.lost = choice.reason
+                engine.call(lambda: engine.tiers.restored(kv), "restored")
+                return SavedKV(cached_ids, infos)  # still on disk: the next save keeps what it can
+            info.decision = "restore"
             if not engine.call(lambda: self._begin(kv, cached_ids, need_room, shift), "begin restore"):
                 return None
+            load_started = time.perf_counter()
             saved = self._load(kv, cached_ids, info, shift)
+            if not info.warning:
+                engine.costs.record_restore(info.bytes_read, time.perf_counter() - load_started)
             engine.call(lambda: engine.tiers.restored(kv), "restored")
             return saved
         finally:

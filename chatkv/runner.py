@@ -8,6 +8,7 @@ each sequence goes through the vocabulary projection.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
+from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
 from chatkv.sequence import Sequence
 
 
@@ -35,12 +37,15 @@ class ModelRunner:
     so transformers builds no cache of its own.
     """
 
-    def __init__(self, model: Any, pool: BlockPool, backend: AttentionBackend) -> None:
-        """Wrap ``model`` (attaching chatkv attention) to run over ``pool`` with ``backend``."""
+    def __init__(self, model: Any, pool: BlockPool, backend: AttentionBackend,
+                 costs: CostModel | None = None) -> None:
+        """Wrap ``model`` (attaching chatkv attention) to run over ``pool`` with
+        ``backend``; prefill steps are timed into ``costs`` if given."""
         attach(model)
         self.model = model
         self.pool = pool
         self.backend = backend
+        self.costs = costs
         self.device = next(model.parameters()).device
 
     def build_metadata(self, batch: list[StepInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
@@ -113,6 +118,8 @@ class ModelRunner:
             ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
             with ``all_logits``.
         """
+        timed = self.costs is not None and sum(len(item.tokens) for item in batch) >= MIN_PREFILL_TOKENS
+        started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)
         if all_logits:
             last = torch.arange(input_ids.shape[1], device=self.device)
@@ -131,6 +138,10 @@ class ModelRunner:
         assert logits.shape[0] == last.shape[0], (logits.shape, last.shape)
         for item in batch:
             self.pool.commit(item.seq, len(item.tokens))
+        if timed:
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)  # prefill steps only: decode steps stay sync-free
+            self.costs.record_prefill(input_ids.shape[1], time.perf_counter() - started)  # type: ignore[union-attr]
         return logits
 
     def warm_up(self, prompt_tokens: int, decode_steps: int, max_prefill_tokens: int) -> int:

@@ -97,6 +97,9 @@ class RestoreInfo:
         seconds: wall time of the restore.
         bytes_read: bytes of chunk files read.
         warning: why the KV was (partly) not used, if it was not.
+        decision: for KV on disk, ``"restore"`` (read back) or ``"recompute"``
+            (left for the next turn's prefill: predicted faster); None otherwise.
+        reason: the predictions behind ``decision`` (see :mod:`chatkv.costs`).
     """
 
     source: str
@@ -105,3 +108,5 @@ class RestoreInfo:
     seconds: float = 0.0
     bytes_read: int = 0
     warning: str | None = None
+    decision: str | None = None
+    reason: str | None = None

@@ -1,0 +1,88 @@
+"""Restore or recompute: the choice on both sides of its break-even point, and what it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatkv import Chat, EngineConfig
+from chatkv.costs import CostModel, LinearCost, resolve_policy
+from chatkv.engine import Engine
+from chatkv.errors import ConfigError
+from chatkv.models import load_model
+
+TURNS = ["Hello there", "Tell me a story", "And then?"]
+
+
+def test_linear_fit() -> None:
+    cost = LinearCost()
+    assert cost.fit() is None and cost.predict(10) is None
+    for size in (100, 200, 400):
+        cost.add(size, 0.5 + 0.01 * size)
+    fixed, slope = cost.fit()  # type: ignore[misc]
+    assert fixed == pytest.approx(0.5) and slope == pytest.approx(0.01)
+    one = LinearCost()
+    one.add(100, 2.0)
+    one.add(100, 4.0)
+    assert one.fit() == (0.0, pytest.approx(0.03))  # one size: a mean ratio, no fixed part
+    cost.add(0, 1.0)  # ignored
+    assert len(cost._samples) == 3
+
+
+def test_policies() -> None:
+    assert resolve_policy("recompute") == "recompute"
+    with pytest.raises(ConfigError):
+        resolve_policy("sometimes")
+    with pytest.raises(ConfigError):
+        EngineConfig(restore_policy="sometimes")
+    model = CostModel("auto")
+    assert model.choose(1000, 10**6).decision == "restore"  # nothing measured yet
+    assert "no measured disk bandwidth" in model.choose(1000, 10**6).reason
+    assert CostModel("recompute").choose(1000, 10**6).decision == "recompute"
+
+
+def _stored_session(sid: str) -> list[int]:
+    """Three turns of session ``sid`` saved to the default store; returns the last reply's tokens."""
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=256, block_size=4))
+    chat = Chat(sid, system="You are terse.", engine=engine, max_new_tokens=8, chunk_tokens=16)
+    for text in TURNS:
+        chat.send(text)
+    chat.close()
+    twin = Chat(f"{sid}-twin", system="You are terse.", engine=engine, max_new_tokens=8, persist=False)
+    for text in TURNS + ["One more."]:
+        twin.send(text)
+    twin.close()
+    return twin.last_stats.token_ids
+
+
+def _engine_measuring(prefill_s_per_token: float, disk_s_per_byte: float) -> Engine:
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=256, block_size=4, restore_policy="auto"))
+    engine.warmed.result(timeout=120)  # type: ignore[union-attr]  # (it times a prefill too)
+    engine.costs.prefill, engine.costs.disk = LinearCost(), LinearCost()
+    for size in (64, 128, 256):
+        engine.costs.record_prefill(size, size * prefill_s_per_token)
+        engine.costs.record_restore(size * 1000, size * 1000 * disk_s_per_byte)
+    return engine
+
+
+@pytest.mark.parametrize("side", ["fast prefill", "slow prefill"])
+def test_both_sides_of_the_break_even_point(side: str) -> None:
+    want = _stored_session("s")
+    fast = side == "fast prefill"
+    engine = _engine_measuring(1e-6 if fast else 1e-1, 1e-6)  # ~1 MB/s disk: a few ms per chunk
+    chat = Chat("s", engine=engine, max_new_tokens=8, chunk_tokens=16)
+    info = chat.wait_restored()
+    assert info.decision == ("recompute" if fast else "restore")
+    assert "predicted" in info.reason and "MB" in info.reason
+    chat.send("One more.")
+    stats = chat.last_stats
+    assert stats.token_ids == want  # either way, the answer of a session that never left memory
+    if fast:
+        assert info.source == "history" and info.cached_tokens == 0 and info.bytes_read == 0
+        assert stats.reused_tokens == 0 and stats.not_reused == info.reason
+        assert info.reason.startswith("recomputed instead of restored")
+    else:
+        assert info.source == "disk" and info.cached_tokens > 0 and stats.reused_tokens > 0
+    chat.close()
+    again = Chat("s", engine=_engine_measuring(1e-1, 1e-9), max_new_tokens=8, chunk_tokens=16)
+    assert again.wait_restored().decision == "restore" and again.restore.cached_tokens > 0  # the KV is on disk
+    again.close()
