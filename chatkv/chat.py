@@ -266,7 +266,7 @@ class Chat:
         with self._turn_lock():
             base = history.appended(session.messages, new)
             if base:
-                session.prefill(base, stats, self.context_policy, self.sink)
+                session.prefill(base, stats, self.context_policy, self.sink, new_messages=len(new))
         self.last_stats = stats
         return stats
 

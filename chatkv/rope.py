@@ -127,5 +127,6 @@ def shift_blocks(kv: torch.Tensor, blocks: list[int], delta: int, rope: RopeShif
     if not blocks or delta == 0:
         return
     index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-    keys = kv[:, 0].index_select(1, index)
-    kv[:, 0].index_copy_(1, index, rope.shift(keys, delta))
+    # Advanced indexing writes only these blocks (index_copy_ on the strided
+    # K view would copy the whole pool's keys).
+    kv[:, 0, index] = rope.shift(kv[:, 0, index], delta)

@@ -456,13 +456,14 @@ class Session:
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
 
     def prefill(self, history: list[Message], stats: TurnStats, policy: str = "trim",
-                sink: SinkPolicy | None = None) -> None:
+                sink: SinkPolicy | None = None, new_messages: int = 1) -> None:
         """Teacher-force ``history`` into the KV without generating, make it the
-        session's history and save it. The caller holds :attr:`lock`."""
+        session's history and save it; its last ``new_messages`` are new (the
+        sink policy never drops them). The caller holds :attr:`lock`."""
         ids, history, stats.trimmed_messages = self._ids(history, False, 0, policy)
         self.policy = policy
         try:
-            self._bring_up(ids, stats, self._sink_args(history, ids, 0, False, policy, sink))
+            self._bring_up(ids, stats, self._sink_args(history, ids, 0, False, policy, sink, new_messages))
             history = self._after_shift(history, stats)
             stats.prefilled_tokens = self.engine.prefill(self.kv.seq, stats)
             self.messages = list(history)
@@ -472,12 +473,13 @@ class Session:
             stats.total_s = time.perf_counter() - (stats.started_at or time.perf_counter())
 
     def _sink_args(self, history: list[Message], ids: list[int], reserve: int, generate: bool, policy: str,
-                   sink: SinkPolicy | None) -> tuple[int, int, bool, SinkPolicy] | None:
-        """The sink policy's arguments for :meth:`_bring_up` (None under another policy)."""
+                   sink: SinkPolicy | None, new_messages: int = 1) -> tuple[int, int, bool, SinkPolicy] | None:
+        """The sink policy's arguments for :meth:`_bring_up` (None under another
+        policy): the last ``new_messages`` of ``history`` are protected from drops."""
         if policy != "sink":
             return None
-        before = self.engine.encode_chat([m.as_dict() for m in history[:-1]], add_generation_prompt=False) \
-            if len(history) > 1 else []
+        old = history[: max(len(history) - max(new_messages, 1), 0)]
+        before = self.engine.encode_chat([m.as_dict() for m in old], add_generation_prompt=False) if old else []
         protect = len(ids) - len(before) if ids[: len(before)] == before else len(ids)
         return max(protect, 1), reserve, generate, sink or SinkPolicy()
 
