@@ -46,3 +46,20 @@ def test_smoke_run_writes_report(tmp_path: Path) -> None:
             assert s["ttft_s"] > 0
     assert results["storage"]["bytes_on_disk"] > 0
     assert not (out / "work").exists(), "scratch state is removed after the run"
+
+
+def test_long_context_smoke_compares_trim_and_sink_with_a_re_prefill(tmp_path: Path, capsys) -> None:
+    from benchmarks.long_context import main
+
+    out = tmp_path / "long.json"
+    assert main(["--smoke", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| chatkv sink |" in table and "vs re-prefill" in table
+    results = json.loads(out.read_text())
+    systems = results["systems"]
+    assert systems["re-prefill"]["summary"]["turns"] >= 3  # the conversation ran past the window
+    # trim re-prefills exactly what a stock re-prefill of the kept messages sees: the same predictions.
+    assert systems["chatkv trim"]["summary"]["top1_reprefill"] >= 0.99
+    assert results["sink_dropped_tokens"] > 0
+    # Past the window, sink prefills only each turn's new tokens (less than the re-prefill's whole window).
+    assert systems["chatkv sink"]["summary"]["prefilled_per_turn"] < systems["re-prefill"]["summary"]["prefilled_per_turn"]
