@@ -279,6 +279,16 @@ class Session:
             pool.truncate(seq, min(seq.num_computed, shift.sink))
             del seq.token_ids[seq.num_computed:]
             seq.shift = shift = None
+        if shift is not None:
+            sunk = 0
+            while sunk < min(shift.sink, seq.num_computed, len(stream)) and seq.token_ids[sunk] == stream[sunk]:
+                sunk += 1
+            if sunk < min(shift.sink, seq.num_computed):
+                # The sink itself changed (a new system prompt): what was kept after it
+                # attended to the old one, so the window starts again from the common prefix.
+                pool.truncate(seq, sunk)
+                del seq.token_ids[seq.num_computed:]
+                seq.shift = shift = None
         s = shift.sink if shift is not None else -(-sink.sink_tokens // bs) * bs
         d = shift.dropped if shift is not None else 0
         view = stream[:s] + stream[s + d:] if d else list(stream)

@@ -269,3 +269,17 @@ def test_the_repl_takes_the_sink_policy():
     assert res.exit_code == 0, res.output
     assert res.stderr.count("[reused") == 2
     assert "sink" in CliRunner().invoke(main, ["repl", "--help"]).stdout
+
+
+def test_a_new_system_prompt_starts_the_window_again():
+    engine = _tiny_engine()
+    chat = Chat("sys", engine=engine, system=SYSTEM, max_new_tokens=N, context_policy="sink", persist=False)
+    turn = _until_shifted(chat)
+    chat.set_system("Be brief.")
+    chat.send(question(turn))
+    s = chat.last_stats
+    assert s.prompt_tokens + N <= engine.max_context and len(s.token_ids) > 0
+    shift = chat._session.kv.seq.shift
+    # Either the whole history fits again, or a fresh drop was made against the new prompt.
+    assert shift is None or s.shifted_tokens > 0
+    chat.close()
