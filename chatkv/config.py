@@ -154,6 +154,10 @@ class EngineConfig:
         return _from_dict(cls, values)
 
 
+#: The compact ``TierConfig.disk_format`` values (besides ``exact``): :mod:`chatkv.quant` schemes.
+SCHEMES_OF_DISK = ("bf16", "fp16", "int8", "fp8", "int4")
+
+
 @dataclass
 class TierConfig:
     """Budgets and policies of an engine's memory tiers. Times are seconds of idleness.
@@ -174,6 +178,12 @@ class TierConfig:
             policy (KV TTL, disk budget, orphan files) on the stores the engine's
             sessions use, this often.
         fidelity_floors: minimum teacher-forced top-1 agreement per scheme.
+        disk_format: how KV chunks are written to disk: ``exact`` (the KV as
+            computed, the default: a restored session answers exactly as a
+            fresh one), or a compact scheme, ``bf16``, ``fp16``, ``int8``,
+            ``fp8`` or ``int4`` (quantized with :mod:`chatkv.quant`; full blocks
+            only, the partial last block stays exact), used only while it
+            passes its fidelity floor for the model (else the next finer one).
     """
 
     device_budget_bytes: int | None = None
@@ -187,8 +197,9 @@ class TierConfig:
     maintenance_interval_s: float | None = None
     store_gc_interval_s: float | None = None
     fidelity_floors: dict[str, float] = field(
-        default_factory=lambda: {"int8": 0.99, "fp8": 0.98, "int4": 0.90}
+        default_factory=lambda: {"bf16": 0.98, "fp16": 0.99, "int8": 0.99, "fp8": 0.98, "int4": 0.90}
     )
+    disk_format: str = "exact"
 
     def __post_init__(self) -> None:
         from chatkv.quant import check_scheme
@@ -197,6 +208,9 @@ class TierConfig:
             check_scheme(self.quant_scheme)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.disk_format != "exact" and self.disk_format not in SCHEMES_OF_DISK:
+            raise ConfigError(f"disk_format must be one of exact, {', '.join(SCHEMES_OF_DISK)}; "
+                              f"got {self.disk_format!r}")
         for name in ("device_budget_bytes", "host_budget_bytes", "disk_budget_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:

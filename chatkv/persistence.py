@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatkv.errors import OutOfBlocksError
+from chatkv.kvcodec import pack, packed_format, parse_packed, unpack
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 KV_TENSOR = "kv"
 #: Tokens of imported KV recomputed to check it against the model.
 PROBE_TOKENS = 16
+#: Error allowed, relative to the largest magnitude, when probing imported compact KV, per scheme.
+PACKED_TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "int8": 3e-2, "fp8": 8e-2, "int4": 0.2}
 DENSE_FORMAT = f"{KV_FORMAT_VERSION}:dense"
 #: Full-precision layout, but KV computed from (or restored out of) a quantized
 #: tier: a distinct format, so its chunk hashes never collide with exact ones.
@@ -66,9 +69,13 @@ LOSSY_FORMAT = f"{KV_FORMAT_VERSION}:dense-lossy"
 SHIFT_SEP = "+sh:"
 
 
-def kv_format_for(exact: bool, shift: Shift | None) -> str:
-    """The ``kv_format`` of chunks of a sequence that is ``exact`` (or not) and has ``shift``."""
-    base = DENSE_FORMAT if exact else LOSSY_FORMAT
+def kv_format_for(exact: bool, shift: Shift | None, packed: tuple[str, int] | None = None) -> str:
+    """The ``kv_format`` of chunks of a sequence that is ``exact`` (or not) and has
+    ``shift``, written dense or ``packed`` as ``(scheme, block size)`` (:mod:`chatkv.kvcodec`)."""
+    if packed is not None:
+        base = packed_format(KV_FORMAT_VERSION, *packed)
+    else:
+        base = DENSE_FORMAT if exact else LOSSY_FORMAT
     return base if shift is None else f"{base}{SHIFT_SEP}{shift.tag}"
 
 
@@ -127,6 +134,8 @@ class Snapshot:
     keep: list[ChunkInfo]
     pieces: list[tuple[int, "torch.Tensor"]]
     shift: Shift | None = None
+    scheme: str = "none"
+    """How the new chunks are written: ``none`` (dense) or a compact :mod:`chatkv.quant` scheme."""
 
 
 class KVPersister:
@@ -142,13 +151,14 @@ class KVPersister:
         self.chunk_tokens = chunk_tokens
         self.fingerprint = engine.loaded.fingerprint
 
-    def _meta(self, exact: bool, shift: Shift | None = None) -> ChunkMeta:
+    def _meta(self, exact: bool, shift: Shift | None = None, scheme: str = "none") -> ChunkMeta:
+        packed = None if scheme == "none" else (scheme, self.engine.pool.block_size)
         return ChunkMeta(
             fingerprint=self.fingerprint,
-            kv_format=kv_format_for(exact, shift),
+            kv_format=kv_format_for(exact, shift, packed),
             dtype=str(self.engine.pool.kv.dtype).removeprefix("torch."),
             block_size=self.chunk_tokens,
-            quant="none",
+            quant=scheme,
         )
 
     # -- save --------------------------------------------------------------------------
@@ -172,7 +182,7 @@ class KVPersister:
             n = min(C, len(ids) - off)
             pieces.append((n, pool.read_tokens(seq, off, n).to("cpu")))
             off += n
-        return Snapshot(ids, seq.exact, keep, pieces, seq.shift)
+        return Snapshot(ids, seq.exact, keep, pieces, seq.shift, self.engine.tiers.effective_disk_scheme())
 
     def write(self, session_id: str, snap: Snapshot) -> tuple[SavedKV, SaveResult]:
         """Write a snapshot's new chunks, then point the session at the new chunk
@@ -184,8 +194,12 @@ class KVPersister:
             StorageWriteError: disk full, read-only home, index failure. The
                 previous state on disk is intact.
         """
-        meta = self._meta(snap.exact, snap.shift)
-        new = [NewChunk(n, {KV_TENSOR: kv}, meta) for n, kv in snap.pieces]
+        meta = self._meta(snap.exact, snap.shift, snap.scheme)
+        if snap.scheme == "none":
+            new = [NewChunk(n, {KV_TENSOR: kv}, meta) for n, kv in snap.pieces]
+        else:
+            bs = self.engine.pool.block_size
+            new = [NewChunk(n, pack(kv, snap.scheme, bs), meta) for n, kv in snap.pieces]
         result = self.store.save_kv(session_id, token_ids=snap.token_ids, fingerprint=self.fingerprint,
                                     chunks=[*snap.keep, *new])
         return SavedKV(snap.token_ids, list(result.chunks), snap.shift), result
@@ -272,14 +286,18 @@ class KVPersister:
         import torch
 
         first = next(iter(self.store.iter_kv(session_id, fingerprint=self.fingerprint)), None)
-        stored = first.tensors.get(KV_TENSOR) if first is not None else None
+        if first is None:
+            return False
+        try:
+            base, shift = parse_kv_format(first.info.kv_format)
+            packed = parse_packed(base, KV_FORMAT_VERSION)
+        except ValueError:
+            return False
+        L, two, _, _, h, d = self.engine.pool.kv.shape
+        stored, _ = self._dense(first.tensors, base, (L, two, first.info.n_tokens, h, d))
         if stored is None:
             return False
         n = min(PROBE_TOKENS, first.info.n_tokens)
-        try:
-            shift = parse_kv_format(first.info.kv_format)[1]
-        except ValueError:
-            return False
         if shift is not None:  # past its sink, shifted KV is not what a fresh prefill computes
             n = min(n, shift.sink)
             if n == 0:
@@ -302,7 +320,9 @@ class KVPersister:
         probe = stored[:, :, :n].to(torch.float32)
         if probe.shape != fresh.shape or not bool(torch.isfinite(probe).all()):
             return False
-        tolerance = 1e-2 * float(fresh.abs().max()) + 1e-3  # chunked vs whole prefill, in the model's dtype
+        # Chunked vs whole prefill, in the model's dtype; a compact chunk also carries its scheme's error.
+        scale = 1e-2 if packed is None else PACKED_TOLERANCE.get(packed[0], 0.2)
+        tolerance = scale * float(fresh.abs().max()) + 1e-3
         if float((probe - fresh).abs().max()) > tolerance:
             return False
         self.store.mark_kv_verified(session_id, kv_generation=kv_generation)
@@ -329,6 +349,22 @@ class KVPersister:
             return False
         return True
 
+    def _dense(self, tensors: dict[str, "torch.Tensor"], base: str,
+               shape: tuple[int, int, int, int, int]) -> tuple["torch.Tensor | None", str]:
+        """A chunk's KV as the pool's dense layout (unpacking a compact chunk), or
+        ``(None, why)`` when its tensors do not fit ``shape`` or its format."""
+        try:
+            packed = parse_packed(base, KV_FORMAT_VERSION)
+            if packed is not None:
+                return unpack(tensors, packed[0], packed[1], shape, self.engine.pool.kv.dtype), ""
+        except ValueError as exc:
+            return None, f"packed KV: {exc}"
+        tensor = tensors.get(KV_TENSOR)
+        if tensor is None or tuple(tensor.shape) != shape:
+            return None, f"tensor {KV_TENSOR!r} has shape {None if tensor is None else tuple(tensor.shape)}, " \
+                         f"not {shape}"
+        return tensor, ""
+
     def _load(self, kv: "TieredKV", cached_ids: list[int], info: RestoreInfo, shift: Shift | None = None) -> SavedKV:
         engine, store = self.engine, self.store
         L, two, _, _, h, d = engine.pool.kv.shape
@@ -354,19 +390,17 @@ class KVPersister:
             for loaded in store.iter_kv(kv.session_id, fingerprint=self.fingerprint):
                 n = loaded.info.n_tokens
                 info.bytes_read += loaded.info.bytes
-                tensor = loaded.tensors.get(KV_TENSOR)
-                if tensor is None or tuple(tensor.shape) != (L, two, n, h, d):
-                    reason = f"tensor {KV_TENSOR!r} has shape {None if tensor is None else tuple(tensor.shape)}, " \
-                             f"not {(L, two, n, h, d)}"
+                try:
+                    base, chunk_shift = parse_kv_format(loaded.info.kv_format)
+                except ValueError:
+                    base, chunk_shift = loaded.info.kv_format, ...
+                tensor, reason = self._dense(loaded.tensors, base, (L, two, n, h, d))
+                if tensor is None:
                     raise CorruptChunkError(loaded.info.hash, reason,
                                             store.quarantine_chunk(loaded.info.hash, reason))
                 if not settle():
                     full = False
                     break
-                try:
-                    base, chunk_shift = parse_kv_format(loaded.info.kv_format)
-                except ValueError:
-                    base, chunk_shift = loaded.info.kv_format, ...
                 if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
                     info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "
                                     f"loaded {kv.seq.num_computed} tokens, re-prefilling the rest")
@@ -376,7 +410,7 @@ class KVPersister:
                 skip = max(0, start - off)
                 if skip < n:
                     ids, part = loaded.token_ids[skip:], tensor[:, :, skip:]
-                    exact = base == DENSE_FORMAT
+                    exact = base == DENSE_FORMAT  # packed KV is lossy
                     pending = (engine.scheduler.submit_job(lambda i=ids, p=part, e=exact: self._write(kv, i, p, e),
                                                            "restore chunk"), loaded.info)
                 else:

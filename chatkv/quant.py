@@ -7,6 +7,9 @@ Schemes are looked up by name; the name is stored with every quantized tensor
 
 ``"none"``
     Full precision: the tensor is kept as is (a reference, not a copy).
+``"bf16"``, ``"fp16"``
+    The values cast to bfloat16 / float16 (``data`` only): half the bytes of
+    float32 KV, no scales. A no-op for KV already in that dtype.
 ``"int8"``
     Symmetric, per token and head. ``data`` int8 ``[n, BS, H, D]`` in
     ``[-127, 127]``; ``scale`` float32 ``[n, BS, H]``; ``x ~= data * scale``.
@@ -49,7 +52,9 @@ from torch import Tensor
 
 Kind = Literal["k", "v"]
 
-SCHEMES: tuple[str, ...] = ("none", "int8", "fp8", "int4")
+SCHEMES: tuple[str, ...] = ("none", "bf16", "fp16", "int8", "fp8", "int4")
+#: The dtype each cast scheme stores.
+CAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: Largest finite value of float8 e4m3fn.
 FP8_MAX = 448.0
@@ -176,6 +181,8 @@ def _expected_layout(
     n, bs, h, d = shape
     if scheme == "none":
         return {"data": (shape, dtype)}
+    if scheme in CAST_DTYPES:
+        return {"data": (shape, CAST_DTYPES[scheme])}
     if scheme == "int8":
         return {"data": (shape, torch.int8), "scale": ((n, bs, h), torch.float32)}
     if scheme == "fp8":
@@ -214,6 +221,16 @@ def _validate(q: QuantizedKV) -> None:
 def _safe(scale: Tensor) -> Tensor:
     """``scale`` with zeros replaced by ones, so all-zero groups divide cleanly."""
     return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _cast_to(scheme: str) -> Callable[[Tensor, Kind], dict[str, Tensor]]:
+    def cast(x: Tensor, kind: Kind) -> dict[str, Tensor]:
+        return {"data": x.to(CAST_DTYPES[scheme])}
+    return cast
+
+
+def _dequant_cast(q: QuantizedKV) -> Tensor:
+    return q.data
 
 
 def _quant_int8(x: Tensor, kind: Kind) -> dict[str, Tensor]:
@@ -291,11 +308,15 @@ def _dequant_int4(q: QuantizedKV) -> Tensor:
 
 
 _QUANTIZERS: dict[str, Callable[[Tensor, Kind], dict[str, Tensor]]] = {
+    "bf16": _cast_to("bf16"),
+    "fp16": _cast_to("fp16"),
     "int8": _quant_int8,
     "fp8": _quant_fp8,
     "int4": _quant_int4,
 }
 _DEQUANTIZERS: dict[str, Callable[[QuantizedKV], Tensor]] = {
+    "bf16": _dequant_cast,
+    "fp16": _dequant_cast,
     "int8": _dequant_int8,
     "fp8": _dequant_fp8,
     "int4": _dequant_int4,
@@ -386,6 +407,8 @@ def bytes_per_token(
     v: float
     if scheme == "none":
         k = v = elems * torch.empty((), dtype=dtype).element_size()
+    elif scheme in CAST_DTYPES:
+        k = v = elems * 2
     elif scheme in ("int8", "fp8"):
         k = v = elems + kv_heads * 4
     else:

@@ -43,7 +43,7 @@ import torch
 
 from chatkv.config import TierConfig
 from chatkv.offload import OffloadedKV, offload, reload
-from chatkv.quant import SCHEMES, bytes_per_token
+from chatkv.quant import CAST_DTYPES, SCHEMES, bytes_per_token
 from chatkv.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ class Tier(str, enum.Enum):
 _ORDER = list(Tier)
 #: From coarsest to finest: the fallback order when a scheme fails its floor.
 SCHEME_FALLBACK = ("int4", "fp8", "int8", "none")
+#: The same for chunks on disk (``TierConfig.disk_format``), where casts to 16 bits come before exact.
+DISK_FALLBACK = ("int4", "fp8", "int8", "bf16", "fp16", "none")
 
 
 @dataclass(eq=False)
@@ -221,8 +223,21 @@ class TierManager:
     def effective_scheme(self) -> str:
         """The configured scheme if its measured fidelity passes its floor for
         this model, else the next finer one that does (``none`` always does)."""
-        wanted = self.config.quant_scheme
-        for scheme in SCHEME_FALLBACK[SCHEME_FALLBACK.index(wanted):]:
+        return self._passing(self.config.quant_scheme, SCHEME_FALLBACK)
+
+    def effective_disk_scheme(self) -> str:
+        """The quantization scheme of chunks written to disk: ``none`` for
+        ``disk_format="exact"`` and for a cast to the pool's own dtype, else the
+        configured format if it passes its fidelity floor for this model, else
+        the next finer one that does."""
+        wanted = "none" if self.config.disk_format == "exact" else self.config.disk_format
+        if CAST_DTYPES.get(wanted) == self.engine.pool.kv.dtype:
+            return "none"
+        return self._passing(wanted, DISK_FALLBACK)
+
+    def _passing(self, wanted: str, fallback: tuple[str, ...]) -> str:
+        chain = fallback[fallback.index(wanted):] if wanted in fallback else (wanted, "none")
+        for scheme in chain:
             if scheme == "none":
                 return scheme
             if scheme not in self._scheme_ok:

@@ -547,7 +547,11 @@ class Repl:
                    "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
                    "re-prefill in another.")
 @click.option("--kv-quant", "kv_quant", default=None, metavar="SCHEME",
-              help="How idle sessions' KV is compressed: none, int8, fp8 or int4 (engine-wide).")
+              help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4 (engine-wide).")
+@click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
+              default="exact", show_default=True, envvar="CHATKV_DISK_FORMAT", show_envvar=True,
+              help="How KV chunks are written to disk: exact, or compact (quantized; used only while it "
+                   "passes its fidelity floor for the model).")
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1),
               help="Longest reply, in tokens.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
@@ -570,7 +574,7 @@ class Repl:
               help="With --context-policy sink: tokens at the start always kept (rounded up to KV blocks).")
 @click.option("--plain", is_flag=True, help="Plain line input without line editing or history.")
 def repl(session_id: str | None, system: str | None, system_file: Path | None, model: str | None,
-         dtype: str | None, kv_quant: str | None, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+         dtype: str | None, kv_quant: str | None, disk_format: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
          stop: tuple[str, ...], ignore_eos: bool, context_policy: str, sink_tokens: int, plain: bool) -> None:
     """Chat in the terminal, streaming replies; the session persists across restarts.
 
@@ -578,7 +582,7 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
     quits; /help lists the slash commands. Exit code 5 if the session is open
     in another process, 3 for an unknown model.
     """
-    from chatkv import Chat, EngineConfig
+    from chatkv import Chat, EngineConfig, TierConfig
 
     if system is not None and system_file is not None:
         raise CliError("give --system or --system-file, not both", ExitCode.USAGE)
@@ -598,6 +602,7 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
     with open_store() as store:
         note(f"loading model {model or 'default'}…")
         chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant,
+                    tiers=TierConfig(disk_format=disk_format) if disk_format != "exact" else None,
                     engine_config=EngineConfig(dtype=dtype) if dtype else None, **options)
         try:
             dtype_name = str(chat.engine.loaded.dtype).removeprefix("torch.")

@@ -132,7 +132,11 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
                    "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
                    "re-prefill in another.")
 @click.option("--kv-quant", default=None, metavar="SCHEME",
-              help="How idle sessions' KV is compressed: none, int8, fp8 or int4.")
+              help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4.")
+@click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
+              default="exact", show_default=True, envvar="CHATKV_DISK_FORMAT", show_envvar=True,
+              help="How KV chunks are written to disk: exact, or compact (quantized; used only while it "
+                   "passes its fidelity floor for the model).")
 @click.option("--kv-budget", default=None, type=Size(),
               help="Bytes of KV the device block pool holds (e.g. 2G); default: a quarter of free RAM, "
                    "at most 2G (60% of free GPU memory on CUDA).")
@@ -158,9 +162,8 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="Server log level (debug adds an access log).")
 def serve(host: str, port: int, model: str | None, served_model_name: str | None, api_key: str | None,
-          api_key_file: Path | None, dtype: str | None, kv_quant: str | None, kv_budget: int | None,
-          max_num_seqs: int,
-          max_waiting: int, max_open_sessions: int, max_body_size: int, default_max_tokens: int | None,
+          api_key_file: Path | None, dtype: str | None, kv_quant: str | None, disk_format: str,
+          kv_budget: int | None, max_num_seqs: int, max_waiting: int, max_open_sessions: int, max_body_size: int, default_max_tokens: int | None,
           default_temperature: float, context_policy: str, drain_timeout: float, log_level: str) -> None:
     """Serve the model over OpenAI's chat-completions API; conversations persist.
 
@@ -211,7 +214,8 @@ def serve(host: str, port: int, model: str | None, served_model_name: str | None
         from chatkv.server import ServerConfig, create_app
 
         click.echo(f"chatkv serve: loading model {model or 'default'}…", err=True)
-        tiers = TierConfig(quant_scheme=kv_quant) if kv_quant else None
+        tiers = TierConfig(quant_scheme=kv_quant or "none", disk_format=disk_format) \
+            if kv_quant or disk_format != "exact" else None
         engine = get_engine(model, EngineConfig(kv_budget_bytes=kv_budget, max_num_seqs=max_num_seqs,
                                                 max_waiting=max_waiting, tiers=tiers, dtype=dtype))
         store = default_store()

@@ -1,0 +1,84 @@
+"""Compact chunk payloads: a chunk's KV ``[L, 2, n, H, D]`` as quantized blocks plus an exact tail.
+
+``TierConfig.disk_format`` other than ``exact`` writes chunk files through
+:func:`pack`: the chunk's full blocks of ``block_size`` tokens are quantized
+per layer with a :mod:`chatkv.quant` scheme, the partial last block (the
+newest tokens, as the quantized tiers do) stays in the model's dtype. The
+format and block size are part of the chunk's ``kv_format`` (see
+:func:`packed_format`), so packed and exact chunks never share a hash, and
+:func:`unpack` needs nothing else to read one back.
+
+Tensor names: ``k.<part>`` and ``v.<part>`` for the quantized keys and values
+of all layers' full blocks stacked (``[L * blocks, block_size, H, D]`` before
+quantization; ``<part>`` is ``data``, ``scale`` or ``zero``), and ``tail``
+(``[L, 2, n % block_size, H, D]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chatkv.quant import QuantizedKV, check_scheme, dequantize, int4_group_size, quantize
+
+PACKED_TAG = "packed-"
+
+
+def packed_format(version: str, scheme: str, block_size: int) -> str:
+    """The ``kv_format`` base of chunks packed with ``scheme`` in blocks of ``block_size``."""
+    return f"{version}:{PACKED_TAG}{check_scheme(scheme)}.b{block_size}"
+
+
+def parse_packed(base: str, version: str) -> tuple[str, int] | None:
+    """``(scheme, block_size)`` of a packed ``kv_format`` base, None for any other base.
+
+    Raises:
+        ValueError: a packed base that does not parse (unknown scheme, bad block size).
+    """
+    prefix = f"{version}:{PACKED_TAG}"
+    if not base.startswith(prefix):
+        return None
+    scheme, sep, bs = base[len(prefix):].rpartition(".b")
+    if not sep or not bs.isdigit() or int(bs) < 1:
+        raise ValueError(f"not a packed KV format: {base!r}")
+    return check_scheme(scheme), int(bs)
+
+
+def pack(kv: torch.Tensor, scheme: str, block_size: int) -> dict[str, torch.Tensor]:
+    """``kv`` ``[L, 2, n, H, D]`` as compact tensors (see the module doc). ``kv`` is not modified."""
+    L, two, n, h, d = kv.shape
+    full = (n // block_size) * block_size
+    out: dict[str, torch.Tensor] = {"tail": kv[:, :, full:].contiguous()}
+    if full:
+        blocks = kv[:, :, :full].reshape(L, 2, full // block_size, block_size, h, d)
+        for i, kind in enumerate(("k", "v")):
+            q = quantize(blocks[:, i].reshape(-1, block_size, h, d), kind, scheme)  # type: ignore[arg-type]
+            out.update({f"{kind}.{name}": t.clone() if scheme == "none" else t
+                        for name, t in q.tensors().items()})
+    return out
+
+
+def unpack(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
+           shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The KV ``[L, 2, n, H, D]`` (``shape``) in ``dtype`` that :func:`pack` stored in ``tensors``.
+
+    Raises:
+        ValueError: tensors missing or of the wrong layout for ``scheme`` and ``shape``.
+    """
+    L, two, n, h, d = shape
+    full = (n // block_size) * block_size
+    tail = tensors.get("tail")
+    if tail is None or tuple(tail.shape) != (L, two, n - full, h, d) or not tail.is_floating_point():
+        raise ValueError(f"packed KV tail is {None if tail is None else (tail.dtype, tuple(tail.shape))}, "
+                         f"not {(L, two, n - full, h, d)}")
+    if not full:
+        return tail.to(dtype)
+    meta = {"quant_scheme": scheme, "quant_shape": f"{L * (full // block_size)},{block_size},{h},{d}",
+            "quant_dtype": str(dtype).removeprefix("torch."),
+            "quant_group": str(int4_group_size(d) if scheme == "int4" else 0)}
+    parts = []
+    for kind in ("k", "v"):
+        prefix = f"{kind}."
+        mine = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        q = QuantizedKV.from_tensors(mine, {**meta, "quant_kind": kind})
+        parts.append(dequantize(q, dtype).reshape(L, full, h, d))
+    return torch.cat([torch.stack(parts, dim=1), tail.to(dtype)], dim=2)

@@ -1,0 +1,110 @@
+"""Compact disk KV: chunks written as quantized blocks, gated by fidelity, restored in place of exact ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatkv import Chat, EngineConfig, TierConfig
+from chatkv.engine import Engine
+from chatkv.errors import ConfigError
+from chatkv.kvcodec import pack, packed_format, parse_packed, unpack
+from chatkv.models import KV_FORMAT_VERSION, load_model
+from chatkv.persistence import default_store
+from chatkv.quant import bytes_per_token
+
+SCHEMES = ("bf16", "fp16", "int8", "fp8", "int4")
+#: Largest error relative to the largest magnitude, per scheme, on Gaussian KV.
+TOLERANCE = {"bf16": 1e-2, "fp16": 1e-3, "int8": 1e-2, "fp8": 5e-2, "int4": 0.2}
+TURNS = ["Hello there", "Tell me a story", "And then?"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_pack_round_trip_keeps_the_partial_block_exact(scheme: str) -> None:
+    kv = torch.randn(3, 2, 4 * 5 + 3, 2, 8, generator=torch.Generator().manual_seed(1))
+    tensors = pack(kv, scheme, 4)
+    assert torch.equal(tensors["tail"], kv[:, :, 20:])
+    back = unpack(tensors, scheme, 4, tuple(kv.shape), torch.float32)
+    assert back.shape == kv.shape and torch.equal(back[:, :, 20:], kv[:, :, 20:])
+    assert float((back - kv).abs().max()) <= TOLERANCE[scheme] * float(kv.abs().max())
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) < kv.numel() * kv.element_size()
+    with pytest.raises(ValueError):
+        unpack({k: v for k, v in tensors.items() if k != "v.data"}, scheme, 4, tuple(kv.shape), torch.float32)
+    with pytest.raises(ValueError):
+        unpack(tensors, scheme, 4, (3, 2, 24, 2, 8), torch.float32)
+
+
+def test_formats_parse_and_are_checked() -> None:
+    base = packed_format(KV_FORMAT_VERSION, "int8", 16)
+    assert parse_packed(base, KV_FORMAT_VERSION) == ("int8", 16)
+    assert parse_packed(f"{KV_FORMAT_VERSION}:dense", KV_FORMAT_VERSION) is None
+    with pytest.raises(ValueError):
+        parse_packed(f"{KV_FORMAT_VERSION}:packed-int3.b16", KV_FORMAT_VERSION)
+    with pytest.raises(ConfigError, match="disk_format"):
+        TierConfig(disk_format="int3")
+
+
+def test_int8_on_disk_is_at_most_27_percent_of_fp32_for_smollm2() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 channels; fp32 is 46,080 bytes a token.
+    exact = bytes_per_token("none", 3, 64, 30, 16, torch.float32)
+    assert exact == 46_080
+    assert bytes_per_token("int8", 3, 64, 30, 16) <= 0.27 * exact
+    assert bytes_per_token("int4", 3, 64, 30, 16) < bytes_per_token("int8", 3, 64, 30, 16)
+
+
+def _engine(disk_format: str, floors: dict[str, float] | None = None, dtype: torch.dtype = torch.float32) -> Engine:
+    floors = floors if floors is not None else {s: 0.0 for s in SCHEMES}  # floor 0: passes without measuring
+    tiers = TierConfig(disk_format=disk_format, fidelity_floors=floors)
+    return Engine(load_model("tiny:llama", dtype=dtype), EngineConfig(num_blocks=256, block_size=4, tiers=tiers))
+
+
+def _converse(engine: Engine, sid: str) -> Chat:
+    chat = Chat(sid, system="You are terse.", engine=engine, max_new_tokens=8, chunk_tokens=16)
+    for text in TURNS:
+        chat.send(text)
+    return chat
+
+
+def _chunks(sid: str):
+    store = default_store()
+    return store.kv_chunks(sid), store.get_session(sid)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_a_compact_session_is_smaller_on_disk_and_restores(scheme: str) -> None:
+    exact = _converse(_engine("exact"), "exact")
+    exact_kv = exact.engine.call(lambda: exact.engine.pool.read_tokens(exact._session.kv.seq, 0,
+                                                                       exact.num_cached_tokens).clone())
+    exact.close()
+    small = _converse(_engine(scheme), "small")
+    small.close()
+    chunks, info = _chunks("small")
+    assert {c.quant for c in chunks} == {scheme} and all(":packed-" in c.kv_format for c in chunks)
+    exact_chunks, exact_info = _chunks("exact")
+    assert {c.quant for c in exact_chunks} == {"none"}
+    assert info.n_cached == exact_info.n_cached
+    ratio = info.kv_bytes / exact_info.kv_bytes
+    assert ratio < {"int8": 0.45, "int4": 0.42, "bf16": 0.6}[scheme], ratio  # tiny heads, file headers
+
+    again = Chat("small", engine=_engine(scheme), max_new_tokens=8, chunk_tokens=16)
+    restored = again.wait_restored()
+    assert restored.source == "disk" and restored.cached_tokens == info.n_cached
+    kv = again.engine.call(lambda: again.engine.pool.read_tokens(again._session.kv.seq, 0, info.n_cached).clone())
+    err = float((kv - exact_kv).abs().max()) / float(exact_kv.abs().max())
+    assert 0 < err <= TOLERANCE[scheme] * 2, err  # lossy, within the scheme's error (KV made from lossy KV too)
+    again.send("One more.")
+    assert again.last_stats.reused_tokens > info.n_cached // 2  # (the tiny tokenizer re-splits a reply's end)
+    again.close()
+
+
+def test_the_gate_refuses_a_format_below_its_floor() -> None:
+    engine = _engine("int4", floors={s: 1.01 for s in SCHEMES})  # nothing can reach 101 %
+    assert engine.call(engine.tiers.effective_disk_scheme) == "none"
+    _converse(engine, "gated").close()
+    chunks, _ = _chunks("gated")
+    assert {c.quant for c in chunks} == {"none"} and all(":dense" in c.kv_format for c in chunks)
+
+
+def test_a_cast_to_the_models_own_dtype_is_exact() -> None:
+    engine = _engine("bf16", dtype=torch.bfloat16)
+    assert engine.call(engine.tiers.effective_disk_scheme) == "none"
