@@ -1,0 +1,153 @@
+"""Compact disk KV: bytes per token, restore time and fidelity of each ``disk_format``.
+
+For each format (``exact``, ``bf16``, ``fp16``, ``int8``, ``fp8``, ``int4``) the
+default model prefills the same ShareGPT history of about ``--tokens`` tokens
+into a session saved in that format (``Chat.append``); then a fresh engine
+opens it, and the restore (read, unpack, write into the pool) is timed from
+``RestoreInfo``, ``--repeats`` times, formats interleaved so machine noise hits
+all alike. Reported per format: bytes per token on disk (measured from the
+chunk files), median restore seconds, restore bandwidth (bytes of pool KV made
+resident per second, against a plain read of the same files from the page
+cache), and the fidelity gate's measure (teacher-forced top-1 agreement and
+mean KL over a reply, :func:`chatkv.fidelity.measure`). The gate's floors are
+left aside (0) so every format is written.
+
+Usage::
+
+    python -m benchmarks.disk_formats
+    python -m benchmarks.disk_formats --tokens 2000 --repeats 5 --out benchmarks/out/disk_formats.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.measure import raw_read
+from benchmarks.sharegpt import load_conversations
+
+FORMATS = ("exact", "bf16", "fp16", "int8", "fp8", "int4")
+
+
+def _history(tokenizer: Any, target: int) -> list[dict]:
+    """A ShareGPT history of whole exchanges (ending with a reply) of at most ``target`` tokens, the longest found."""
+    from chatkv.models import encode_chat
+
+    best: list[dict] = []
+    for conv in load_conversations(n=300, seed=2, min_turns=4):
+        msgs: list[dict] = []
+        for i in range(0, len(conv) - 1, 2):
+            if len(encode_chat(tokenizer, conv[: i + 2], False)) > target:
+                break
+            msgs = conv[: i + 2]
+        if len(msgs) > len(best) or (msgs and len(encode_chat(tokenizer, msgs, False))
+                                     > len(encode_chat(tokenizer, best, False)) if best else msgs):
+            best = msgs
+        if best and len(encode_chat(tokenizer, best, False)) >= 0.8 * target:
+            return best
+    return best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every format; returns the results by format."""
+    from chatkv import Chat, EngineConfig, TierConfig
+    from chatkv.engine import Engine
+    from chatkv.fidelity import measure
+    from chatkv.models import load_model
+    from chatkv.storage import Store
+
+    loaded = load_model(dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+    floors = {s: 0.0 for s in FORMATS if s != "exact"}
+
+    def engine(fmt: str) -> Engine:
+        tiers = TierConfig(disk_format=fmt, fidelity_floors=floors)
+        # One engine per open (a pool that never held the session: every restore reads the files);
+        # no warm-up, so that nothing queues before the restore on the loop.
+        return Engine(loaded, EngineConfig(kv_budget_bytes=budget, tiers=tiers, restore_policy="restore",
+                                           warmup=False))
+
+    history = _history(loaded.tokenizer, args.tokens)
+    budget = 4 * args.tokens * 46_080 * (1 if args.dtype == "float32" else 2) // 2 + (16 << 20)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="chatkv-disk-formats-") as home:
+        store = Store(home)
+        for fmt in FORMATS:
+            e = engine(fmt)
+            chat = Chat(f"s-{fmt}", engine=e, store=store, max_new_tokens=1)
+            chat.append(history)
+            chat.close()
+            info = store.get_session(f"s-{fmt}")
+            files = [Path(store.path_of(c)) for c in store.kv_chunks(f"s-{fmt}")]
+            fid = measure(e, "none" if fmt == "exact" else fmt, [{"role": "system", "content": "Be helpful."},
+                                                                  *history]) if fmt != "exact" else None
+            results[fmt] = {"tokens": info.n_cached, "disk_bytes": sum(os.path.getsize(p) for p in files),
+                            "files": [str(p) for p in files], "restore_s": [], "pool_bytes": 0,
+                            "top1_agreement": fid.top1_agreement if fid else 1.0,
+                            "mean_kl": fid.mean_kl if fid else 0.0}
+            del e
+        for _ in range(args.repeats):
+            for fmt in FORMATS:
+                e = engine(fmt)
+                chat = Chat(f"s-{fmt}", engine=e, store=store, max_new_tokens=1)
+                r = chat.wait_restored()
+                assert r.source == "disk" and r.cached_tokens == results[fmt]["tokens"], r
+                results[fmt]["restore_s"].append(r.seconds)
+                results[fmt]["pool_bytes"] = r.cached_tokens * e.pool.bytes_per_block // e.pool.block_size
+                chat.close()
+                del e
+        for fmt, res in results.items():
+            n, t = raw_read(Path(p) for p in res.pop("files"))
+            res["raw_read_bytes_per_s"] = n / t
+            res["restore_median_s"] = statistics.median(res["restore_s"])
+            res["bytes_per_token"] = res["disk_bytes"] / res["tokens"]
+            res["restore_bytes_per_s"] = res["pool_bytes"] / res["restore_median_s"]
+        store.close()
+    return results
+
+
+def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    """The Markdown table."""
+    exact = results["exact"]
+    lines = [
+        f"Disk formats, default model ({args.dtype}), a {exact['tokens']}-token ShareGPT history, "
+        f"{torch.get_num_threads()} threads, medians of {args.repeats}",
+        "",
+        "| format | bytes/token | vs exact | restore | restore bandwidth | plain read | top-1 agreement | mean KL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fmt, r in results.items():
+        lines.append(
+            f"| {fmt} | {r['bytes_per_token']:,.0f} | {100 * r['bytes_per_token'] / exact['bytes_per_token']:.1f}% | "
+            f"{1e3 * r['restore_median_s']:.1f} ms | {r['restore_bytes_per_s'] / 1e9:.2f} GB/s | "
+            f"{r['raw_read_bytes_per_s'] / 1e9:.2f} GB/s | {100 * r['top1_agreement']:.1f}% | {r['mean_kl']:.4f} |")
+    lines.append("")
+    lines.append("restore bandwidth: bytes of KV made resident in the pool per second; plain read: the chunk "
+                 "files read whole from the page cache.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and print the table (see the module doc)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.disk_formats", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1000, help="history length")
+    ap.add_argument("--repeats", type=int, default=3, help="timed restores per format")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    ap.add_argument("--out", type=Path, default=None, help="also write the numbers as JSON here")
+    args = ap.parse_args(argv)
+    results = run(args)
+    print(render(results, args))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
