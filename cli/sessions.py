@@ -21,7 +21,9 @@ from .output import ago, human_bytes, print_fields, print_json, print_table, pri
 from .store import open_reader, open_store
 
 if TYPE_CHECKING:
-    from chatkv.storage import DiskGcReport, SessionInfo
+    from collections.abc import Callable
+
+    from chatkv.storage import DiskGcReport, SessionInfo, Store
 
 #: Names a session archive may contain (what :func:`chatkv.storage.export_session` writes).
 BUNDLE_MEMBERS = ("history.json", "kv.safetensors")
@@ -117,11 +119,21 @@ def rm(session_ids: tuple[str, ...]) -> None:
     Every id is tried; the exit code is that of the first failure (3 for an
     unknown id, 5 for a session in use).
     """
+    def remove(store: "Store", sid: str) -> str:
+        res = store.delete_session(sid)
+        return f"removed {sid} ({res.files_removed} files, {human_bytes(res.bytes_removed)})"
+
+    _each(session_ids, remove)
+
+
+def _each(session_ids: tuple[str, ...], fn: "Callable[[Store, str], str]") -> None:
+    """Run ``fn(store, id)`` for every id and print what it returns; a chatkv error
+    is printed and the next id tried. Exits with the first failure's code, if any."""
     first_failure: ExitCode | None = None
     with open_store() as store:
         for sid in session_ids:
             try:
-                res = store.delete_session(sid)
+                line = fn(store, sid)
             except Exception as exc:
                 code = exit_code_for(exc)
                 if code is None:
@@ -129,7 +141,7 @@ def rm(session_ids: tuple[str, ...]) -> None:
                 click.echo(f"Error: {exc}", err=True)
                 first_failure = first_failure or code
                 continue
-            click.echo(f"removed {sid} ({res.files_removed} files, {human_bytes(res.bytes_removed)})")
+            click.echo(line)
     if first_failure is not None:
         raise click.exceptions.Exit(int(first_failure))
 
@@ -253,22 +265,13 @@ def _parse_ttl(value: str | None) -> float | None | object:
 def _set_retention(session_ids: tuple[str, ...], pinned: bool | None, ttl: str | None) -> None:
     """Set retention on each id; the exit code is that of the first failure (3: unknown id)."""
     kv_ttl_s = _parse_ttl(ttl)
-    first_failure: ExitCode | None = None
-    with open_store() as store:
-        for sid in session_ids:
-            try:
-                info = store.set_retention(sid, pinned=pinned, kv_ttl_s=kv_ttl_s)
-            except Exception as exc:
-                code = exit_code_for(exc)
-                if code is None:
-                    raise
-                click.echo(f"Error: {exc}", err=True)
-                first_failure = first_failure or code
-                continue
-            ttl_text = human_duration(info.kv_ttl_s) if info.kv_ttl_s is not None else "store default"
-            click.echo(f"{sid}: {'pinned' if info.pinned else 'not pinned'}, KV TTL {ttl_text}")
-    if first_failure is not None:
-        raise click.exceptions.Exit(int(first_failure))
+
+    def apply(store: "Store", sid: str) -> str:
+        info = store.set_retention(sid, pinned=pinned, kv_ttl_s=kv_ttl_s)
+        ttl_text = human_duration(info.kv_ttl_s) if info.kv_ttl_s is not None else "store default"
+        return f"{sid}: {'pinned' if info.pinned else 'not pinned'}, KV TTL {ttl_text}"
+
+    _each(session_ids, apply)
 
 
 @sessions.command("pin")

@@ -109,9 +109,9 @@ def lost_index_message(db_url: str, kv_dir: Path, why: str | None, n_files: int)
 def count_chunk_files(kv_dir: Path) -> int:
     """Finished chunk files in ``kv_dir``'s fan-out directories (not temp files, not through symlinked dirs)."""
     n = 0
-    for sub in _scandir(kv_dir):
+    for sub in scandir(kv_dir):
         if sub.is_dir(follow_symlinks=False):
-            n += sum(1 for e in _scandir(Path(sub.path))
+            n += sum(1 for e in scandir(Path(sub.path))
                      if e.name.endswith(CHUNK_SUFFIX) and not e.name.startswith(TMP_PREFIX))
     return n
 
@@ -124,7 +124,8 @@ def disk_usage_of(n_chunks: int, indexed_bytes: int, kv_dir: Path, quarantine_di
                      len(quar), sum(file_size(p) for p in quar))
 
 
-def _scandir(path: Path) -> list[os.DirEntry[str]]:
+def scandir(path: Path) -> list[os.DirEntry[str]]:
+    """The entries of directory ``path``; none if it cannot be read."""
     try:
         with os.scandir(path) as it:
             return list(it)

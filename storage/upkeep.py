@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from . import owners
 from .errors import StorageError
-from .quickread import count_chunk_files, lost_index_message
+from .quickread import count_chunk_files, lost_index_message, scandir
 from .paths import TMP_PREFIX, file_size, tmp_token
 from .records import DebrisReport
 from .schema import META_INDEX_LOST, ChunkRow, MetaRow, PendingFileRow, SessionRow, utcnow
@@ -84,9 +84,9 @@ class StoreUpkeep:
     def _temp_files(self, tokens: set[str]) -> list[Path]:
         """Temp files under ``kv/`` named with one of ``tokens``."""
         out = []
-        for sub in _scandir(self.kv_dir):
+        for sub in scandir(self.kv_dir):
             if sub.is_dir(follow_symlinks=False):
-                out.extend(Path(e.path) for e in _scandir(Path(sub.path))
+                out.extend(Path(e.path) for e in scandir(Path(sub.path))
                            if e.name.startswith(TMP_PREFIX) and tmp_token(e.name) in tokens)
         return out
 
@@ -165,14 +165,6 @@ class StoreUpkeep:
 
     def _count_chunk_files(self) -> int:
         return count_chunk_files(self.kv_dir)
-
-
-def _scandir(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
 
 
 def _unlink(p: Path) -> bool:
