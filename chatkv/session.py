@@ -310,7 +310,7 @@ class Session:
         h = hashlib.sha256(shift.key if shift is not None else b"")
         h.update(s.to_bytes(8, "little"))
         h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in view[s:s + e]))
-        new = Shift(s, d + e, h.digest()[:10])
+        new = Shift(s, d + e, h.digest()[:8])  # 64 bits: the tag fits kv_format (64 characters)
         if c >= s + e:
             pool.drop_and_shift(seq, s, e, new, lambda kv, blocks, n: shift_blocks(kv, blocks, n, rope))
         else:  # what would be dropped is not all cached (lost KV, a new session): keep the sink, recompute the rest

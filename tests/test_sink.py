@@ -143,7 +143,7 @@ def test_shifted_blocks_hash_under_the_shift_and_are_not_matched_by_a_plain_pref
     pool.write_tokens(seq, list(range(24)), torch.randn(1, 2, 24, 1, 16))
     other = pool.fork(seq)  # shares every block: the shift must copy, not rotate, them
     shared_before = pool.kv[:, :, other.block_table].clone()
-    shift = Shift(4, 8, b"k" * 10)
+    shift = Shift(4, 8, b"k" * 8)
     pool.drop_and_shift(seq, 4, 8, shift, lambda kv, blocks, n: shift_blocks(kv, blocks, n, rope))
     assert seq.token_ids == list(range(4)) + list(range(12, 24)) and seq.num_computed == 16
     assert seq.block_table[0] == other.block_table[0]  # the sink block is still shared
