@@ -63,7 +63,8 @@ class Chat:
         store: where sessions persist (default: the store at ``$CHATKV_HOME``).
         persist: False keeps the session in this process only.
         chunk_tokens: tokens per chunk file (a multiple of the block size).
-        lease_timeout_s: how long to wait for another process to release the session.
+        lease_timeout_s: how long to wait for another process to release the
+            session (or for its lease to expire, if it died) instead of failing.
         context_policy: when the history outgrows the window: ``"trim"`` (the
             default) leaves the oldest whole turns after the system prompt out
             of the window (the history keeps them); ``"sink"`` keeps the first
@@ -208,6 +209,10 @@ class Chat:
                 model's context window (when iteration starts).
             OutOfBlocksError, QueueFullError: the pool or the queue is full.
             In every case the history is unchanged and the session still usable.
+            LeaseLostError: this process lost the session's lease (it was
+                paused or cut off past the lease's expiry and another process
+                took the session over): nothing is saved from here on, and
+                every later turn raises it too; close and reopen the ``Chat``.
         """
         user = Message("user", self._text(text))
         return self._generate(lambda msgs: msgs + [user], sampling)

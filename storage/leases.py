@@ -102,10 +102,22 @@ def _proc_stat(pid: int | str) -> tuple[int, str, str] | None:
         return None
 
 
+_NS_CACHE: tuple[int, str | None] | None = None
+
+
 def _namespace_id() -> str | None:
     """A hash naming this kernel boot and this process's PID namespace, or None
     where that cannot be established (no ``/proc``, or a ``/proc`` mounted for
-    another PID namespace)."""
+    another PID namespace). Computed once per process (a forked child
+    computes its own)."""
+    global _NS_CACHE
+    pid = os.getpid()
+    if _NS_CACHE is None or _NS_CACHE[0] != pid:
+        _NS_CACHE = (pid, _read_namespace_id())
+    return _NS_CACHE[1]
+
+
+def _read_namespace_id() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
             boot = f.read().strip()
@@ -341,6 +353,7 @@ class Lease(AbstractContextManager["Lease"]):
         self._on_lost = on_lost
         self._lost: LeaseLostError | None = None
         self._mu = threading.Lock()
+        self._io = threading.Lock()  # orders renewals before a release's UPDATE
         self._released = threading.Event()
         self._thread: threading.Thread | None = None
         if auto_renew:
@@ -380,7 +393,8 @@ class Lease(AbstractContextManager["Lease"]):
                 log.exception("lease on session %r: the on_lost callback failed", self.session_id)
 
     def renew(self) -> None:
-        """Push the expiry to now + ttl, if this holder still has the lease.
+        """Push the expiry to now + ttl, if this holder still has the lease. A
+        no-op once released (a renewal never brings a released lease back).
 
         Raises:
             LeaseLostError: another owner took it over, or its row is gone
@@ -390,15 +404,18 @@ class Lease(AbstractContextManager["Lease"]):
         """
         if self._lost is not None:
             raise self._lost
-        now = self._clock()
-        expires = now + timedelta(seconds=self.ttl_s)
-        with self._factory() as s, s.begin():
-            res = s.execute(update(LeaseRow)
-                            .where(LeaseRow.session_id == self.session_id, LeaseRow.owner == self.owner,
-                                   LeaseRow.generation == self.generation)
-                            .values(renewed_at=now, expires_at=expires)
-                            .execution_options(synchronize_session=False))
-            err = _lost_error(s, self) if res.rowcount != 1 else None
+        with self._io:
+            if self._released.is_set():
+                return
+            now = self._clock()
+            expires = now + timedelta(seconds=self.ttl_s)
+            with self._factory() as s, s.begin():
+                res = s.execute(update(LeaseRow)
+                                .where(LeaseRow.session_id == self.session_id, LeaseRow.owner == self.owner,
+                                       LeaseRow.generation == self.generation)
+                                .values(renewed_at=now, expires_at=expires)
+                                .execution_options(synchronize_session=False))
+                err = _lost_error(s, self) if res.rowcount != 1 else None
         if err is not None:
             self._mark_lost(err)
             raise err
@@ -439,7 +456,7 @@ class Lease(AbstractContextManager["Lease"]):
         self.detach()
         if self._lost is not None:
             return
-        with self._factory() as s, s.begin():
+        with self._io, self._factory() as s, s.begin():
             s.execute(update(LeaseRow)
                       .where(LeaseRow.session_id == self.session_id, LeaseRow.owner == self.owner,
                              LeaseRow.generation == self.generation)

@@ -251,6 +251,7 @@ def test_generations_grow_across_holders_and_releases(home: Path) -> None:
             st.append_message("s", "user", f"gen {lease.generation}")
             st.release_lease("s")
         assert gens == [1, 2, 3, 4, 5]
+        lease.renew()  # a released lease is never brought back by a renewal
         with Session(a.engine) as s:
             row = s.get(LeaseRow, "s")
             assert row.generation == 5 and row.expires_at < utcnow()  # kept, marked released
