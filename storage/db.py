@@ -96,7 +96,7 @@ def make_engine(url: str, *, read_only: bool = False) -> Engine:
         cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA foreign_keys=ON")
         if not read_only:
-            cur.execute("PRAGMA journal_mode=WAL")
+            _enable_wal(cur)
             cur.execute("PRAGMA synchronous=FULL")
         cur.close()
 
@@ -105,6 +105,31 @@ def make_engine(url: str, *, read_only: bool = False) -> Engine:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def _enable_wal(cur: Any, timeout_s: float = 30.0) -> None:
+    """Put the database in WAL mode (a no-op once it is: the mode is stored in the file).
+
+    Switching needs an exclusive lock, and SQLite does not call its busy handler
+    for it: a second process opening a new index while the first creates it
+    gets "database is locked" at once. So the switch is retried, with a short
+    growing pause, for up to ``timeout_s`` seconds.
+    """
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
 
 def _postgres_engine(url: str, *, read_only: bool = False) -> Engine:
