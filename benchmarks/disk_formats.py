@@ -37,21 +37,25 @@ FORMATS = ("exact", "bf16", "fp16", "int8", "fp8", "int4")
 
 
 def _history(tokenizer: Any, target: int) -> list[dict]:
-    """A ShareGPT history of whole exchanges (ending with a reply) of at most ``target`` tokens, the longest found."""
+    """A ShareGPT history of whole exchanges (ending with a reply) of at most ``target`` tokens:
+    the first of at least 0.8x ``target``, else the longest found."""
     from chatkv.models import encode_chat
 
     best: list[dict] = []
+    best_len = 0
     for conv in load_conversations(n=300, seed=2, min_turns=4):
         msgs: list[dict] = []
+        length = 0
         for i in range(0, len(conv) - 1, 2):
-            if len(encode_chat(tokenizer, conv[: i + 2], False)) > target:
+            n = len(encode_chat(tokenizer, conv[: i + 2], False))
+            if n > target:
                 break
-            msgs = conv[: i + 2]
-        if len(msgs) > len(best) or (msgs and len(encode_chat(tokenizer, msgs, False))
-                                     > len(encode_chat(tokenizer, best, False)) if best else msgs):
-            best = msgs
-        if best and len(encode_chat(tokenizer, best, False)) >= 0.8 * target:
-            return best
+            msgs, length = conv[: i + 2], n
+        if length > best_len:
+            best, best_len = msgs, length
+        if best_len >= 0.8 * target:
+            break
+    return best
     return best
 
 
