@@ -14,6 +14,13 @@ lockstep through their stdin/stdout, one turn at a time, never by the clock.
   reuse everything and nothing is quarantined.
 - PostgreSQL restarted between turns and during a turn (``pg_ctl restart``):
   no turn is lost or duplicated in the stored history, and chatting goes on.
+- The holder SIGKILLed at 20 random points of a turn, its lease lapsing only
+  by expiry (as on another machine): the other server takes the session over,
+  every completed turn is stored, and its reply is stock transformers' (no
+  torn KV used). ``CHATKV_MULTISERVER_KILLS`` sets the number of kills.
+
+The paused holder (SIGSTOP past its expiry, then SIGCONT) on PostgreSQL is
+``tests/test_reliability.py::test_a_paused_chat_learns_it_lost_its_session_and_writes_nothing``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +245,141 @@ def test_cli_sessions_ls_and_show_read_the_postgresql_index(tmp_path: Path, clus
     show = subprocess.run([*cli, "show", "on-pg"], env=env, capture_output=True, text=True, timeout=120, cwd=_ROOT)
     assert show.returncode == 0 and "hello from pg" in show.stdout, show.stdout + show.stderr
     assert not (tmp_path / "cli-home" / "index.db").exists()
+
+
+# ---------------------------------------------------------------------------- a holder killed mid-turn
+
+_KILLABLE = textwrap.dedent("""
+    import json, sys
+    from chatkv.storage import leases
+    # As if on another machine: this holder's owner id names no kernel or PID
+    # namespace, so nobody can prove it dead and its lease lapses only by expiry.
+    leases._namespace_id = lambda: None
+    from chatkv import Chat
+    from chatkv.storage import Store
+
+    store = Store(lease_ttl_s=1.5)  # renewed every 0.5 s; CHATKV_DB_URL and CHATKV_KV_DIR from the environment
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        chat = Chat(cmd["session"], system="You are terse.", model="tiny:llama", store=store,
+                    lease_timeout_s=60, max_new_tokens=12)
+        restored = chat.wait_restored()
+        print(json.dumps({"progress": "opened"}), flush=True)
+        pieces = []
+        for piece in chat.stream(cmd["text"]):
+            pieces.append(piece)
+            print(json.dumps({"progress": "piece"}), flush=True)
+        print(json.dumps({"progress": "sent"}), flush=True)
+        chat.close()
+        st = chat.last_stats
+        print(json.dumps({"reply": "".join(pieces), "token_ids": st.token_ids,
+                          "restored": restored.source, "bytes_read": restored.bytes_read,
+                          "persist_error": st.persist_error}), flush=True)
+    store.close()
+""")
+
+KILLS = int(os.environ.get("CHATKV_MULTISERVER_KILLS", "20"))
+
+
+class Killable(Server):
+    """A server process whose lease can only lapse by expiry, reporting each step of a turn."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - as Server, another script
+        self.proc = subprocess.Popen([sys.executable, "-c", _KILLABLE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=_ROOT,
+                                     env={**env, "CHATKV_HOME": str(home)})
+
+    def ready(self) -> "Killable":
+        """Wait for the process to have opened its store."""
+        assert self._read().get("ready")
+        return self
+
+    def result(self) -> dict:
+        """The final line of the turn started last, skipping its progress lines."""
+        while "progress" in (line := self._read()):
+            pass
+        return line
+
+    def kill(self) -> None:
+        """SIGKILL, and reap."""
+        self.proc.kill()
+        self.proc.communicate(timeout=60)
+
+
+def _stock_reply(loaded, history: list[tuple[str, str]], text: str) -> list[int]:
+    """The greedy token ids stock transformers gives after ``history`` plus the user's ``text``."""
+    import torch
+
+    from chatkv.models import encode_chat
+
+    msgs = [{"role": r, "content": c} for r, c in history] + [{"role": "user", "content": text}]
+    ids = encode_chat(loaded.tokenizer, msgs)
+    tok = loaded.tokenizer
+    with torch.no_grad():
+        out = loaded.reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_a_holder_killed_mid_turn_is_taken_over_after_its_lease_expires(tmp_path: Path,
+                                                                        cluster_env: dict[str, str]) -> None:
+    """Two servers take turns on one session; at 20 random points of a turn
+    (opening, restoring, decoding, saving, releasing) the one holding it is
+    SIGKILLed. Its lease cannot be proven dead (as for another machine), so
+    the other server's next turn waits for the expiry and takes the session
+    over from what was committed: the history holds every completed turn,
+    whole and in order, and the successor's reply is exactly stock
+    transformers' greedy continuation of the stored history, so no torn or
+    foreign KV was ever used."""
+    import random
+
+    from chatkv.models import load_model
+
+    from conftest import stock_copy
+
+    loaded = load_model("tiny:llama")
+    loaded.reference = stock_copy(loaded.model)
+    rng = random.Random(15)
+    url = cluster_env["CHATKV_DB_URL"]
+    homes = iter(range(10_000))
+    servers = [Killable(tmp_path / f"home-{next(homes)}", cluster_env).ready() for _ in range(2)]
+    completed: list[str] = []  # the user texts whose turn the client saw complete
+    sources: dict[str, int] = {}
+    try:
+        for k in range(KILLS):
+            victim, successor = servers[k % 2], servers[1 - k % 2]
+            text = f"Turn {k}: what is block {rng.randrange(1000)}?"
+            victim.start_turn("conv", text)
+            steps = rng.randrange(0, 16)  # opened, up to 12 pieces, sent: the kill lands before, inside or after
+            for _ in range(steps):
+                line = victim._read()
+                if "progress" not in line:  # the whole turn ended first
+                    completed.append(text)
+                    break
+            time.sleep(rng.random() * 0.03)  # the kill point: somewhere within the step after that
+            victim.kill()
+            servers[k % 2] = Killable(tmp_path / f"home-{next(homes)}", cluster_env)  # starts meanwhile
+
+            before = _stored_history(url, "conv")
+            users = [c for role, c in before if role == "user"]
+            assert users in (completed, completed + [text]), (users, completed)  # every completed turn, once
+            if users == completed + [text]:
+                completed.append(text)  # it committed; the kill cut the reply line
+            roles = [r for r, _ in before]
+            assert roles[roles[:1] == ["system"]:] == ["user", "assistant"] * len(users), before  # whole turns
+
+            follow = f"After kill {k}: go on."
+            r = successor.turn("conv", follow)  # waits out the victim's lease, then takes the session over
+            assert r["persist_error"] is None, r
+            sources[r["restored"]] = sources.get(r["restored"], 0) + 1
+            assert r["token_ids"] == _stock_reply(loaded, before, follow), (k, r, before)
+            completed.append(follow)
+            servers[k % 2].ready()
+    finally:
+        for s in servers:
+            s.kill()
+    history = _stored_history(url, "conv")
+    assert [c for role, c in history if role == "user"] == completed
+    print(f"{KILLS} kills; the successor restored from: {sources}")
+    assert sources.get("disk", 0) > 0  # KV the killed servers committed was used, not only re-prefilled

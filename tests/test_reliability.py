@@ -210,12 +210,15 @@ def _reply(child: subprocess.Popen) -> str:
     return line
 
 
-def test_a_paused_chat_learns_it_lost_its_session_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_paused_chat_learns_it_lost_its_session_and_writes_nothing(tmp_path, backend, request, monkeypatch):
     """A real process chats, is stopped (SIGSTOP) until its lease expires and
     another process takes the session over and writes to it, then resumes
     (SIGCONT): its next turn, and every later one, raises LeaseLostError, and
     the store holds the successor's history with nothing of the paused one's
-    interleaved."""
+    interleaved. On SQLite, and on the real PostgreSQL cluster (issue 15)."""
+    if backend == "postgres":
+        monkeypatch.setenv("CHATKV_DB_URL", request.getfixturevalue("pg_url"))
     child = subprocess.Popen([sys.executable, "-c", PAUSED_CHAT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
