@@ -191,8 +191,16 @@ class BlockPool:
 
     # -- single blocks --------------------------------------------------------------
 
-    def _allocate(self) -> int:
-        if self._free:
+    def _allocate(self, after: int | None = None) -> int:
+        """Take a block: the one right after block ``after`` when it is free (so a
+        growing sequence's blocks stay consecutive, and attention reads them as
+        one slice instead of gathering them), else the oldest free block, else
+        the least recently released cached one (evicting its prefix entry)."""
+        nxt = after + 1 if after is not None else -1
+        if 0 <= nxt < self.num_blocks and self.ref_counts[nxt] == 0 and nxt not in self._cached:
+            self._free.remove(nxt)  # unowned and not cached: free
+            block = nxt
+        elif self._free:
             block = self._free.popleft()
         elif self._cached:
             block, _ = self._cached.popitem(last=False)  # least recently released
@@ -389,12 +397,12 @@ class BlockPool:
         if num_new and start % bs:
             last = seq.block_table[-1]
             if not self._writable(last):
-                fresh = self._allocate()
+                fresh = self._allocate(seq.block_table[-2] if len(seq.block_table) > 1 else None)
                 self.copy_block(last, fresh)
                 self._decref(last)
                 seq.block_table[-1] = fresh
         while len(seq.block_table) * bs < start + num_new:
-            seq.block_table.append(self._allocate())
+            seq.block_table.append(self._allocate(seq.block_table[-1] if seq.block_table else None))
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
 
     def commit(self, seq: Sequence, num_new: int) -> None:

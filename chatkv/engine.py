@@ -109,7 +109,7 @@ class Engine:
         self.backend = get_backend(self.config.attention_backend, device)
         #: Measured prefill and disk-restore costs: restore or recompute (:mod:`chatkv.costs`).
         self.costs = CostModel(resolve_policy(self.config.restore_policy))
-        self.runner = ModelRunner(loaded.model, self.pool, self.backend, self.costs)
+        self.runner = ModelRunner(loaded.model, self.pool, self.backend, self.costs, prepack=self.config.prepack)
         self.eos_ids = _eos_ids(loaded)
         self.tiers = TierManager(self, self.config.tiers)
         self.scheduler = Scheduler(self)

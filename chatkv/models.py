@@ -271,7 +271,17 @@ def load_model(
     Raises:
         ModelNotFoundError: nothing loadable at ``spec``; for the default model
             the message names the install command.
+
+    The loading runs in a short-lived thread (:mod:`chatkv.threads`), so that
+    it leaves the caller's thread no OpenMP pool to slow the engine's loop.
     """
+    from chatkv.threads import in_passing_thread
+
+    return in_passing_thread(_load_model, spec, dtype, device)
+
+
+def _load_model(spec: str | os.PathLike | None, dtype: torch.dtype | None,
+                device: str | torch.device | None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(spec, str) and spec.startswith("tiny:"):

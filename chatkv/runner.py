@@ -17,7 +17,9 @@ import torch
 from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
 from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
+from chatkv.prepack import prepack as prepack_linears
 from chatkv.sequence import Sequence
+from chatkv.threads import in_passing_thread
 
 
 @dataclass
@@ -38,10 +40,14 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, pool: BlockPool, backend: AttentionBackend,
-                 costs: CostModel | None = None) -> None:
+                 costs: CostModel | None = None, prepack: bool = False) -> None:
         """Wrap ``model`` (attaching chatkv attention) to run over ``pool`` with
-        ``backend``; prefill steps are timed into ``costs`` if given."""
+        ``backend``; prefill steps are timed into ``costs`` if given. With
+        ``prepack`` the model's CPU linear layers are packed for oneDNN
+        (:func:`chatkv.prepack.prepack`)."""
         attach(model)
+        #: Linear layers packed for oneDNN by this runner (0: none, or packing unavailable).
+        self.packed_linears = in_passing_thread(prepack_linears, model) if prepack else 0
         self.model = model
         self.pool = pool
         self.backend = backend

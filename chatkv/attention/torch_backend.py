@@ -79,13 +79,26 @@ def paged_attention_reference(
     kv_heads = k_cache.shape[2]
     assert q_heads % kv_heads == 0, (q_heads, kv_heads)
     assert sum(query_lens) == total, (query_lens, total)
+    group = q_heads // kv_heads
     out = torch.empty_like(query)
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
-        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         run = contiguous_start[i] if contiguous_start is not None else -1
         k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
         v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
+        if q_len == 1:
+            # Decode: the query heads that share a KV head become that head's
+            # queries, all at the last position, so no mask is needed (a window
+            # is a slice) and SDPA sees [1, kv_heads, group, D] against
+            # [1, kv_heads, L, D]: no GQA expansion, and several queries per
+            # head, which CPU SDPA runs several times faster than one.
+            lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
+            q = query[start].reshape(kv_heads, group, head_dim).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), scale=scale)
+            out[start] = o[0].reshape(q_heads, head_dim)
+            start += 1
+            continue
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         mask = causal_window_mask(q_len, kv_len, sliding_window, query.device)
         o = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,

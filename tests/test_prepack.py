@@ -1,0 +1,81 @@
+"""Linear layers pre-packed for oneDNN (chatkv.prepack): same results, safe to copy, off when asked."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from chatkv.prepack import PackedLinear, _ops_available, prepack, unpack
+from chatkv.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(_ops_available() is not None, reason=f"no oneDNN packed linears: {_ops_available()}")
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_model_computes_what_the_stock_model_does(dtype):
+    model, _ = tiny_model("llama")
+    model = model.to(dtype)
+    stock = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 11))
+    want = _logits(stock, ids)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert prepack(model) == linears > 0
+    assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, nn.Linear))
+    got = _logits(model, ids)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same bf16 products, bit for bit
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert prepack(model) == linears  # idempotent
+    torch.testing.assert_close(_logits(model, ids), got, atol=0, rtol=0)
+
+
+def test_a_copy_of_a_packed_model_computes_stock_and_a_changed_weight_is_used():
+    model, _ = tiny_model("llama")
+    prepack(model)
+    twin = copy.deepcopy(model)  # the packed weights are not copied: the twin uses F.linear
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    torch.testing.assert_close(_logits(twin, ids), _logits(model, ids), atol=1e-5, rtol=1e-5)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # packed from the old weight: the layer must not use it any more
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    assert unpack(model) > 0 and not any(type(m) is PackedLinear for m in model.modules())
+
+
+def test_gradients_flow_through_a_packed_layer():
+    model, _ = tiny_model("llama")
+    prepack(model)
+    layer = model.lm_head
+    x = torch.randn(3, layer.in_features, requires_grad=True)
+    layer(x).sum().backward()  # with autograd on, the stock path runs
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_chatkv_prepack_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("CHATKV_PREPACK", "0")
+    model, _ = tiny_model("llama")
+    assert prepack(model) == 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
+
+
+def test_an_engine_packs_its_model_unless_told_not_to():
+    from chatkv import EngineConfig
+    from chatkv.engine import Engine
+    from chatkv.models import load_model
+
+    packed = Engine(load_model("tiny:llama"), EngineConfig(warmup=False))
+    plain = Engine(load_model("tiny:llama"), EngineConfig(warmup=False, prepack=False))
+    assert packed.runner.packed_linears > 0
+    assert plain.runner.packed_linears == 0
+    assert not any(type(m) is PackedLinear for m in plain.loaded.model.modules())
