@@ -160,6 +160,7 @@ def test_edits_survive_a_restart(setup):
     chat.append(OLD)
     chat.rewind(1)
     chat.edit(3, "And ten plus ten?")
+    chat.regenerate(temperature=0.9, seed=5)  # a sampled reply replaces the greedy one
     history = chat.messages
     cached = chat.num_cached_tokens
     chat.close()
@@ -174,7 +175,16 @@ def test_edits_survive_a_restart(setup):
     assert again.last_stats.token_ids == want
     assert again.last_stats.kv_source == "device"  # restored at open, before the turn
     assert again.last_stats.reused_tokens >= tokens(engine, history[:-1], False)
+    # Regenerating after the restart replaces the reply just given, reusing the restored history.
+    again.regenerate()
+    assert again.last_stats.token_ids == want
+    assert again.messages[:-1] == [*history, question]
+    assert again.last_stats.reused_tokens == tokens(engine, [*history, question], True) - 1
     again.close()
+    third = open_chat(make_engine())
+    third.wait_restored()
+    assert third.messages == again.messages
+    third.close()
 
 
 def test_two_handles_share_one_session_and_the_lease():
