@@ -150,15 +150,17 @@ def test_resume_in_a_new_process_prefills_only_the_new_turn(engine, smollm2_refe
 
 def test_trim_past_three_windows_matches_stock_on_the_kept_messages(smollm2, smollm2_reference):
     """Issue 16's must-show on the real model: a window of 256 tokens, a
-    conversation of more than three windows under context_policy="trim"."""
-    window, new = 256, 8
+    conversation whose stored history (every message, templated) grows past
+    three windows under context_policy="trim" (26 turns of ~30 tokens)."""
+    from chatkv.persistence import default_store
+
+    window, new, turns = 256, 8, 26
     engine = Engine(smollm2, EngineConfig(kv_budget_bytes=64 << 20, block_size=16, max_context=window))
     tok = engine.tokenizer
     system_tokens = len(engine.encode_chat([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
     chat = Chat("smol-trim", system=SYSTEM, engine=engine, max_new_tokens=new)
-    processed = trims = 0
-    turn = 0
-    while processed < 3 * window:
+    trims = 0
+    for turn in range(turns):
         chat.send(f"Give me one fact about the number {turn + 1}.")
         s = chat.last_stats
         kept = [m.as_dict() for m in chat.history if not m.outside][:-1]
@@ -168,7 +170,13 @@ def test_trim_past_three_windows_matches_stock_on_the_kept_messages(smollm2, smo
         if s.trimmed_messages:
             trims += 1
             assert s.reused_tokens >= system_tokens  # the system prompt's KV is reused after a trim
-        processed += s.prompt_tokens - s.reused_tokens + len(s.token_ids)
-        turn += 1
-    assert trims >= 2 and len(chat.history) == 1 + 2 * turn
+    assert trims >= 3 and len(chat.history) == 1 + 2 * turns
+    # The history itself, not the tokens processed (re-prefills count there), spans three windows.
+    stored = len(engine.encode_chat(chat.messages, add_generation_prompt=False))
+    assert stored >= 3 * window, stored
+    records = default_store().messages("smol-trim")  # and the store keeps all of it, marked
+    assert [(r.role, r.content, r.outside_window) for r in records] == \
+        [(m.role, m.content, m.outside) for m in chat.history]
+    inside = [m.as_dict() for m in chat.history if not m.outside]
+    assert len(engine.encode_chat(inside, add_generation_prompt=False)) <= window  # the rest is marked outside
     chat.close()
