@@ -9,9 +9,11 @@ lockstep through their stdin/stdout, one turn at a time, never by the clock.
   first restores the KV the other server wrote (``kv_source == "disk"``, and
   it reuses at least the whole previous prompt), and the replies equal one
   process running the same turns alone.
-- ``chatkv sessions gc --grace 0`` in a third process, run while a server is
-  in the middle of a turn, removes nothing in use: the next turns still
-  reuse everything and nothing is quarantined.
+- ``chatkv sessions gc --ttl 0 --disk-budget 0 --grace 0`` in a third
+  process, run while both servers are held inside a turn, removes the seeded
+  garbage (an idle session's KV, an orphan chunk file, a stale temp file) and
+  nothing in use: the next turns still reuse everything and nothing is
+  quarantined.
 - PostgreSQL restarted between turns and during a turn (``pg_ctl restart``):
   no turn is lost or duplicated in the stored history, and chatting goes on.
 - The holder SIGKILLed at 20 random points of a turn, its lease lapsing only
@@ -167,34 +169,183 @@ def test_two_servers_alternate_turns_reusing_each_others_kv(tmp_path: Path, clus
     assert not (tmp_path / "home-a" / "kv").exists() and not (tmp_path / "home-b" / "kv").exists()
 
 
+_PAUSING = textwrap.dedent("""
+    import json, sys, warnings
+    from chatkv import Chat
+    from chatkv.storage import Store
+
+    # As _SERVER (the same Chat settings, so its replies are comparable), but a
+    # turn sent with "pause" stops after its first reply piece, inside the turn
+    # (lease held, KV in memory, nothing saved yet), until the client sends "go".
+    store = Store()
+    print(json.dumps({"ready": True}), flush=True)
+    while line := sys.stdin.readline():
+        cmd = json.loads(line)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            chat = Chat(cmd["session"], system="You are terse.", model="tiny:llama", store=store,
+                        lease_timeout_s=60, max_new_tokens=8, ignore_eos=True)
+            restored = chat.wait_restored()
+            pieces = []
+            try:
+                for piece in chat.stream(cmd["text"]):
+                    pieces.append(piece)
+                    if cmd.get("pause") and len(pieces) == 1:
+                        print(json.dumps({"paused": True}), flush=True)
+                        go = sys.stdin.readline()  # EOF (the client stopping) lets it finish too
+                        assert not go or json.loads(go) == {"go": True}, go
+            finally:
+                chat.close()
+            st = chat.last_stats
+        print(json.dumps({"reply": "".join(pieces), "prompt": st.prompt_tokens, "reused": st.reused_tokens,
+                          "prefilled": st.prefilled_tokens, "source": str(st.kv_source),
+                          "restored": restored.source, "restored_tokens": restored.cached_tokens,
+                          "bytes_read": restored.bytes_read, "pieces": len(pieces),
+                          "persist_error": st.persist_error, "warnings": [str(w.message) for w in got]}), flush=True)
+    store.close()
+""")
+
+
+class Pausing(Server):
+    """A server whose turn can be held inside itself, after its first reply piece, until :meth:`go`."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - as Server, another script
+        self.proc = subprocess.Popen([sys.executable, "-c", _PAUSING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=_ROOT,
+                                     env={**env, "CHATKV_HOME": str(home)})
+
+    def ready(self) -> "Pausing":
+        """Wait for the process to have opened its store."""
+        assert self._read().get("ready")
+        return self
+
+    def _send(self, obj: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def start_paused_turn(self, session: str, text: str) -> None:
+        """Send a turn and wait until it is paused mid-turn (it has yielded a piece and saved nothing)."""
+        self._send({"session": session, "text": text, "pause": True})
+        assert self._read() == {"paused": True}
+
+    def go(self) -> dict:
+        """Let the paused turn finish; its reply and stats."""
+        self._send({"go": True})
+        return self._read()
+
+
 def test_gc_in_a_third_process_while_both_chat_removes_nothing_in_use(tmp_path: Path,
                                                                       cluster_env: dict[str, str]) -> None:
-    a = Server(tmp_path / "home-a", cluster_env)
-    b = Server(tmp_path / "home-b", cluster_env)
+    """Both servers are held inside a turn (A on the shared session, B on one
+    of its own, then the other way round) while ``chatkv sessions gc --ttl 0
+    --disk-budget 0 --grace 0`` runs in a third process: the most aggressive
+    settings, so that everything not in use is collected. Each gc removes real
+    garbage (a finished session's KV, an orphan chunk file, a stale temp
+    file, then each previous side session's KV), and none of what the two
+    turns use: their chunk files and histories are untouched, the turns save,
+    and every next turn restores the shared session's KV from disk and answers
+    as one process alone."""
+    from chatkv.storage import Store
+
+    url, kv_dir = cluster_env["CHATKV_DB_URL"], Path(cluster_env["CHATKV_KV_DIR"])
+    turns = TURNS[:4]  # A, B, A, B: each server holds the shared session during a gc, and a side one during another
+    a = Pausing(tmp_path / "home-a", cluster_env)
+    b = Pausing(tmp_path / "home-b", cluster_env)  # both start while the reference does
+    # the reference: one process alone on its own SQLite index, running the same turns meanwhile
+    ref = Server(tmp_path / "alone",
+                 {k: v for k, v in cluster_env.items() if k not in ("CHATKV_DB_URL", "CHATKV_KV_DIR")})
+    for text in turns:
+        ref.start_turn("conv", text)
+    a.ready(), b.ready()
     gc_env = {**cluster_env, "CHATKV_HOME": str(tmp_path / "home-gc")}
-    results, gcs = [], []
+    index = Store(tmp_path / "reader", db_url=url, kv_dir=kv_dir)  # the test's own view of the index and files
+
+    def kv_files(session: str) -> dict[Path, tuple[int, int]]:
+        chunks = [index.path_of(c) for c in index.kv_chunks(session)]
+        return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in chunks}
+
+    def state(session: str) -> tuple[list[tuple[str, str, bool]], dict[Path, tuple[int, int]], int]:
+        msgs = [(m.role, m.content, m.partial) for m in index.messages(session)]
+        return msgs, kv_files(session), index.get_session(session).n_cached
+
+    results, sides = [], []
+    side_files: dict[str, dict[Path, tuple[int, int]]] = {}
     try:
-        for i, text in enumerate(TURNS):
-            server = a if i % 2 == 0 else b
-            other_session = f"side-{i}"  # the other server chats on its own session meanwhile
-            other = b if server is a else a
-            server.start_turn("conv", text)
-            other.start_turn(other_session, "A side question.")
-            # gc runs while both turns are in flight (it waits for nothing but the index's lock)
-            gcs.append(subprocess.run([sys.executable, "-m", "chatkv.cli.main", "sessions", "gc", "--grace", "0",
-                                       "--json"], env=gc_env, capture_output=True, text=True, timeout=300, cwd=_ROOT))
-            results.append(server.result())
-            side = other.result()
-            assert side["persist_error"] is None and not side["warnings"], side
+        # garbage for the first gc: a finished session's KV (idle: --ttl 0 expires it), an orphan
+        # chunk file (no index row) and a temp file a dead writer left (no owner token: only gc removes it)
+        done = b.turn("finished", "An old conversation nobody continues.")  # B: A's first turn starts cold
+        assert done["persist_error"] is None and not done["warnings"], done
+        finished = kv_files("finished")
+        assert finished and all(p.exists() for p in finished)
+        some = next(iter(finished))
+        orphan = kv_dir / "ee" / ("ee" * 32 + ".safetensors")
+        orphan.parent.mkdir(exist_ok=True)
+        orphan.write_bytes(some.read_bytes())
+        temp = some.parent / f".tmp-{some.name}.99999.deadbeef"
+        temp.write_bytes(b"half a chunk")
+        garbage_bytes = sum(size for size, _ in finished.values()) + orphan.stat().st_size + temp.stat().st_size
+
+        for i, text in enumerate(turns):
+            server, other = (a, b) if i % 2 == 0 else (b, a)
+            side = f"side-{i}"
+            server.start_paused_turn("conv", text)
+            other.start_paused_turn(side, f"Side question number {i}?")
+            # both servers are now inside a turn, and stay there until go()
+            before = {s: state(s) for s in ("conv", side)}
+            g = subprocess.run([sys.executable, "-m", "chatkv.cli.main", "sessions", "gc", "--ttl", "0",
+                                "--disk-budget", "0", "--grace", "0", "--json"],
+                               env=gc_env, capture_output=True, text=True, timeout=120, cwd=_ROOT)
+            assert g.returncode == 0, g.stdout + g.stderr
+            report = json.loads(g.stdout)
+            # nothing in use went: neither session's KV was dropped, no chunk file of theirs touched
+            assert {s: state(s) for s in ("conv", side)} == before, report
+            assert all(p.exists() for s in ("conv", side) for p in before[s][1])
+            assert "conv" not in report["expired_sessions"] + report["over_budget_sessions"], report
+            assert side not in report["expired_sessions"] + report["over_budget_sessions"], report
+            # and what was not in use did go
+            if i == 0:
+                assert report["expired_sessions"] == ["finished"], report
+                assert report["orphan_files"] == 1 and report["temp_files"] == 1, report
+                assert report["files_removed"] == 2, report  # those two; the expired KV is counted in bytes
+                assert not orphan.exists() and not temp.exists()
+                assert not any(p.exists() for p in finished)
+                assert report["bytes_reclaimed"] >= garbage_bytes, (report, garbage_bytes)
+                assert index.get_session("finished").n_cached == 0
+            else:
+                prev = f"side-{i - 1}"
+                assert report["expired_sessions"] == [prev], report
+                assert report["expired_bytes"] > 0, report
+                assert index.get_session(prev).n_cached == 0 and index.kv_chunks(prev) == []
+                assert side_files[prev] and not any(p.exists() for p in side_files[prev])
+            assert report["over_budget_sessions"] == [] and report["dangling_chunks"] == 0, report
+            assert report["disk_bytes_after"] < report["disk_bytes_before"], report
+            results.append(server.go())
+            sides.append(other.go())
+            side_files[side] = kv_files(side)
+        for r in results + sides:
+            assert r["pieces"] > 1 and r["persist_error"] is None and not r["warnings"], r  # paused mid-reply
+        alone = [ref.result()["reply"] for _ in turns]
     finally:
         a.stop()
         b.stop()
-    for g in gcs:
-        assert g.returncode == 0, g.stdout + g.stderr
-    _check_reuse(results)
-    assert [r["reply"] for r in results] == _reference(tmp_path, cluster_env, TURNS)
+        ref.stop()
+        index.close()
+    _check_reuse(results)  # every turn after the first restored, from disk, the KV saved after the previous gc
+    assert [r["reply"] for r in results] == alone
+    # histories are never collected: the shared one is whole, the expired sessions' stay
+    index = Store(tmp_path / "reader", db_url=url, kv_dir=kv_dir)
+    history = [(m.role, m.content) for m in index.messages("conv")]
+    assert [c for role, c in history if role == "user"] == turns
+    assert [c for role, c in history if role == "assistant"] == [r["reply"] for r in results]
+    for i, r in enumerate(sides):
+        assert [(m.role, m.content) for m in index.messages(f"side-{i}")][-2:] == [
+            ("user", f"Side question number {i}?"), ("assistant", r["reply"])]
+    assert [m.content for m in index.messages("finished")][-2:] == ["An old conversation nobody continues.",
+                                                                    done["reply"]]
     quarantine = [p for home in ("home-a", "home-b", "home-gc") for p in (tmp_path / home / "quarantine").glob("*")]
     assert quarantine == []
+    index.close()
 
 
 def test_postgres_restarts_between_and_during_turns_lose_and_duplicate_nothing(
