@@ -63,3 +63,47 @@ def test_long_context_smoke_compares_trim_and_sink_with_a_re_prefill(tmp_path: P
     assert results["sink_dropped_tokens"] > 0
     # Past the window, sink prefills only each turn's new tokens (less than the re-prefill's whole window).
     assert systems["chatkv sink"]["summary"]["prefilled_per_turn"] < systems["re-prefill"]["summary"]["prefilled_per_turn"]
+
+
+def test_serve_compare_smoke_restarts_chatkv_serve_and_reports_cached_turns(tmp_path: Path, capsys) -> None:
+    """benchmarks/serve_compare.py end to end on chatkv alone (tiny model, 2 users, a few seconds):
+    `chatkv serve` is started, loaded through benchmarks/loadgen.py, restarted at the midpoint
+    (SIGTERM, started again on the same home) and stopped; turns after the restart still reuse KV."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from benchmarks.serve_compare import main
+
+    out = tmp_path / "out"
+    argv = ["--systems", "chatkv", "--model", "tiny:llama", "--users", "2", "--duration", "4",
+            "--max-turns", "6", "--max-tokens", "8", "--think-time", "0.3", "--source", "synthetic",
+            "--stop-timeout", "30", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+
+    assert "| later turns | turns | errors | TTFT p50 | TTFT p99 | ITL p50 | turns/s | cached |" in printed
+    for row in ("| all later turns |", "| before restart |", "| after restart |"):
+        assert row in printed
+    assert "## Goals" in printed and "after the restart no worse than before" in printed
+    assert (out / "report.md").read_text().strip() == printed.strip()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workload"]["restart_at"] == 2.0
+    chatkv = summary["results"]["chatkv"]
+    assert "unavailable" not in chatkv
+    assert "--dtype float32" in chatkv["command"]
+    [restart] = chatkv["restarts"]
+    assert restart["signal"] == "SIGTERM" and restart["error"] is None
+    loadgen = json.loads((out / "chatkv.json").read_text())
+    assert loadgen["history"] == "recorded" and loadgen["users"] == 2
+    for key in ("all", "later_turns", "before_restart", "after_restart"):
+        assert {"turns", "ttft_ms", "itl_ms", "turns_per_s", "cached_fraction"} <= set(loadgen[key])
+    after = loadgen["after_restart"]
+    assert after["turns"] > 0 and after["errors"] == 0
+    assert after["cached_fraction"] and after["cached_fraction"] > 0, "later turns after the restart reused KV"
+    tables = summary["tables"]["chatkv"]
+    assert tables["after restart"]["cached"] == after["cached_fraction"]
+    # Peers not asked for are "not measured", never a verdict.
+    verdicts = {g["goal"]: g["verdict"] for g in summary["goals"]}
+    assert verdicts["later-turn TTFT p50 at most 1/3 of transformers serve's"] is None
+    state = json.loads((out / "chatkv.state.json").read_text())
+    assert not Path(state["env"]["CHATKV_HOME"]).exists(), "the server's private home is removed"
