@@ -156,6 +156,9 @@ class LoadGen:
         self.t0 = 0.0
         self.deadline = 0.0
         self.restarted_at: float | None = None
+        self.restart_began: float | None = None
+        #: Seconds the server was down for its restart: users go on that much longer.
+        self.downtime = 0.0
         self.server_up = asyncio.Event()
         self.server_up.set()
         self.next_conversation = 0
@@ -163,6 +166,10 @@ class LoadGen:
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def over(self) -> bool:
+        """True once ``--duration`` seconds of serving (the restart's downtime not counted) have passed."""
+        return self.now() >= self.args.duration + self.downtime
 
     async def pick_model(self) -> str:
         if self.args.model:
@@ -200,9 +207,12 @@ class LoadGen:
                     turn.completion_tokens = chunk.usage.completion_tokens or 0
                     details = chunk.usage.prompt_tokens_details
                     turn.cached_tokens = details.cached_tokens if details is not None else None
-            turn.ok = True
             if turn.prompt_tokens is None:  # a server without usage in streams: count chunks
                 turn.completion_tokens = len(pieces)
+            if not pieces and turn.prompt_tokens is None:
+                turn.error = "an empty stream (no content, no usage)"
+            else:
+                turn.ok = True
         except Exception as exc:  # recorded, not raised: a load test reports failures
             turn.error = f"{type(exc).__name__}: {exc}"[:300]
         turn.total_s = time.perf_counter() - start
@@ -212,7 +222,7 @@ class LoadGen:
     async def user_loop(self, user: int) -> None:
         args = self.args
         rng = random.Random(args.seed * 1000 + user)
-        while self.now() < args.duration:
+        while not self.over():
             conv_index = self.next_conversation % len(self.conversations)
             self.next_conversation += 1
             recorded = self.conversations[conv_index]
@@ -223,13 +233,13 @@ class LoadGen:
                 history.append({"role": "system", "content": args.system})
             users = [i for i, m in enumerate(recorded) if m["role"] == "user"][:args.max_turns]
             for index, at in enumerate(users):
-                if self.now() >= args.duration:
+                if self.over():
                     return
                 history.append({"role": "user", "content": recorded[at]["content"]})
                 for attempt in range(args.retries + 1):
                     await self.server_up.wait()
                     turn, reply = await self.one_turn(user, conv_index, index, list(history), session)
-                    if turn.ok or self.now() >= args.duration:
+                    if turn.ok or self.over():
                         break
                     await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
                 if not turn.ok:
@@ -245,17 +255,20 @@ class LoadGen:
         await asyncio.sleep(args.restart_at)
         print(f"[loadgen] {self.now():.1f}s: restarting the server: {args.restart_cmd}", file=sys.stderr)
         self.server_up.clear()
+        self.restart_began = self.now()
         proc = await asyncio.create_subprocess_shell(args.restart_cmd)
         await proc.wait()
-        self.restarted_at = self.now()
         for _ in range(600):  # the server is back when it lists its models (bounded: 60 s)
             try:
                 await self.client.models.list()
                 break
             except Exception:
                 await asyncio.sleep(0.1)
-        print(f"[loadgen] {self.now():.1f}s: server back (restart command exit {proc.returncode})",
+        self.downtime = self.now() - self.restart_began
+        print(f"[loadgen] {self.now():.1f}s: server back after {self.downtime:.1f} s down "
+              f"(restart command exit {proc.returncode}); users go on {self.downtime:.1f} s longer",
               file=sys.stderr)
+        self.restarted_at = self.now()
         self.server_up.set()
 
     async def run(self) -> dict[str, Any]:
@@ -264,7 +277,17 @@ class LoadGen:
         tasks = [asyncio.create_task(self.user_loop(u)) for u in range(self.args.users)]
         restart = asyncio.create_task(self.restart()) if self.args.restart_cmd else None
         try:
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=self.args.duration + self.args.request_timeout)
+            while True:  # the limit grows by the restart's downtime
+                limit = self.args.duration + self.downtime + self.args.request_timeout - self.now()
+                done, _ = await asyncio.wait(tasks, timeout=max(limit, 0.1))
+                if len(done) == len(tasks) or (self.now() >= self.args.duration + self.downtime
+                                                + self.args.request_timeout and self.server_up.is_set()):
+                    break
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            if not all(t.done() for t in tasks):
+                raise asyncio.TimeoutError
         except asyncio.TimeoutError:
             for t in tasks:
                 t.cancel()
@@ -287,7 +310,7 @@ class LoadGen:
         if self.restarted_at is not None:
             before = [t for t in turns if not t.after_restart]
             after = [t for t in turns if t.after_restart]
-            out["before_restart"] = summarize([t for t in before if t.index > 0], self.restarted_at)
+            out["before_restart"] = summarize([t for t in before if t.index > 0], self.restart_began or self.restarted_at)
             out["after_restart"] = summarize([t for t in after if t.index > 0], max(seconds - self.restarted_at, 1e-9))
         errors = [t.error for t in turns if t.error]
         out["error_samples"] = sorted(set(errors))[:5]
