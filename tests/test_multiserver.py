@@ -80,11 +80,18 @@ TURNS = ["Hello there, who are you?", "Tell me about KV caches.", "And why would
 class Server:
     """One chatkv process with its own home, answering turns sent as JSON lines."""
 
+    #: The script the process runs.
+    SCRIPT = _SERVER
+
     def __init__(self, home: Path, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=_ROOT,
-                                     env={**env, "CHATKV_HOME": str(home)})
+        self._spawn(home, env)
         assert self._read().get("ready")
+
+    def _spawn(self, home: Path, env: dict[str, str]) -> None:
+        """Start :attr:`SCRIPT` with ``home`` as its CHATKV_HOME (it reports ready on its first line)."""
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT,
+                                     env={**env, "CHATKV_HOME": str(home)})
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
@@ -209,10 +216,10 @@ _PAUSING = textwrap.dedent("""
 class Pausing(Server):
     """A server whose turn can be held inside itself, after its first reply piece, until :meth:`go`."""
 
-    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - as Server, another script
-        self.proc = subprocess.Popen([sys.executable, "-c", _PAUSING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=_ROOT,
-                                     env={**env, "CHATKV_HOME": str(home)})
+    SCRIPT = _PAUSING
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - started now, ready() waits
+        self._spawn(home, env)
 
     def ready(self) -> "Pausing":
         """Wait for the process to have opened its store."""
@@ -436,10 +443,10 @@ KILLS = int(os.environ.get("CHATKV_MULTISERVER_KILLS", "20"))
 class Killable(Server):
     """A server process whose lease can only lapse by expiry, reporting each step of a turn."""
 
-    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - as Server, another script
-        self.proc = subprocess.Popen([sys.executable, "-c", _KILLABLE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=_ROOT,
-                                     env={**env, "CHATKV_HOME": str(home)})
+    SCRIPT = _KILLABLE
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - started now, ready() waits
+        self._spawn(home, env)
 
     def ready(self) -> "Killable":
         """Wait for the process to have opened its store."""
