@@ -157,7 +157,10 @@ class ChatkvReplay:
         """An engine with an empty pool just large enough for ``point``'s next turn."""
         bs = EngineConfig().block_size
         blocks = math.ceil((len(point.prompt_ids) + new_tokens) / bs) + 4
-        return Engine(self.loaded, EngineConfig(num_blocks=blocks))
+        engine = Engine(self.loaded, EngineConfig(num_blocks=blocks))
+        if engine.warmed is not None:  # the warm-up belongs to loading, not to the timed turn
+            engine.warmed.result()
+        return engine
 
     def close(self) -> None:
         """Close every open session and the store."""

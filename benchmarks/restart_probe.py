@@ -23,7 +23,7 @@ def main() -> int:
     torch.set_num_threads(int(req["threads"]))
     from chatkv.storage import Store
 
-    from benchmarks.replay import instrument, timed_turn
+    from benchmarks.replay import timed_turn
     from chatkv.chat import Chat
     from chatkv.engine import Engine
     from chatkv.models import load_model
@@ -33,11 +33,12 @@ def main() -> int:
     loaded = load_model(None if spec == "default" else spec)
     model_load_s = time.perf_counter() - t0
     engine = Engine(loaded)
-    marks = instrument(engine)
+    if engine.warmed is not None:  # loading includes the warm-up; the turn is timed from Chat()
+        engine.warmed.result()
     store = Store(req["home"])
     chat_at = time.time()
     ttft, decode, tokens, chat, parts = timed_turn(lambda: Chat(req["session"], engine=engine, store=store),
-                                            req["user"], int(req["new_tokens"]), marks)
+                                            req["user"], int(req["new_tokens"]))
     info = chat.restore
     chat.close()
     store.close()
