@@ -213,18 +213,22 @@ _PAUSING = textwrap.dedent("""
 """)
 
 
-class Pausing(Server):
+class StartedServer(Server):
+    """A server started at construction and waited for by :meth:`ready`, so that several start at once."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - as Server, without the wait
+        self._spawn(home, env)
+
+    def ready(self):  # noqa: ANN201 - returns self, of the subclass's type
+        """Wait for the process to have opened its store; returns the server."""
+        assert self._read().get("ready")
+        return self
+
+
+class Pausing(StartedServer):
     """A server whose turn can be held inside itself, after its first reply piece, until :meth:`go`."""
 
     SCRIPT = _PAUSING
-
-    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - started now, ready() waits
-        self._spawn(home, env)
-
-    def ready(self) -> "Pausing":
-        """Wait for the process to have opened its store."""
-        assert self._read().get("ready")
-        return self
 
     def _send(self, obj: dict) -> None:
         assert self.proc.stdin is not None
@@ -440,18 +444,10 @@ _KILLABLE = textwrap.dedent("""
 KILLS = int(os.environ.get("CHATKV_MULTISERVER_KILLS", "20"))
 
 
-class Killable(Server):
+class Killable(StartedServer):
     """A server process whose lease can only lapse by expiry, reporting each step of a turn."""
 
     SCRIPT = _KILLABLE
-
-    def __init__(self, home: Path, env: dict[str, str]) -> None:  # noqa: D107 - started now, ready() waits
-        self._spawn(home, env)
-
-    def ready(self) -> "Killable":
-        """Wait for the process to have opened its store."""
-        assert self._read().get("ready")
-        return self
 
     def result(self) -> dict:
         """The final line of the turn started last, skipping its progress lines."""
