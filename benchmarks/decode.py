@@ -61,8 +61,7 @@ def _worker(system: str, contexts: list[int], new_tokens: int, threads: int, dty
         from chatkv.engine import Engine
 
         engine = Engine(loaded, EngineConfig())  # one engine: one loop thread, one OpenMP pool
-        if engine.warmed is not None:
-            engine.warmed.result()
+        engine.wait_warm()
     elif system.startswith("transformers"):
         from benchmarks.peers import HFModel
 

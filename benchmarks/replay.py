@@ -158,8 +158,7 @@ class ChatkvReplay:
         bs = EngineConfig().block_size
         blocks = math.ceil((len(point.prompt_ids) + new_tokens) / bs) + 4
         engine = Engine(self.loaded, EngineConfig(num_blocks=blocks))
-        if engine.warmed is not None:  # the warm-up belongs to loading, not to the timed turn
-            engine.warmed.result()
+        engine.wait_warm()  # the warm-up belongs to loading, not to the timed turn
         return engine
 
     def close(self) -> None:

@@ -33,8 +33,7 @@ def main() -> int:
     loaded = load_model(None if spec == "default" else spec)
     model_load_s = time.perf_counter() - t0
     engine = Engine(loaded)
-    if engine.warmed is not None:  # loading includes the warm-up; the turn is timed from Chat()
-        engine.warmed.result()
+    engine.wait_warm()  # the warm-up belongs to loading, not to the timed turn
     store = Store(req["home"])
     chat_at = time.time()
     ttft, decode, tokens, chat, parts = timed_turn(lambda: Chat(req["session"], engine=engine, store=store),

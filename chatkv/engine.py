@@ -120,6 +120,16 @@ class Engine:
             self.warmed = self.scheduler.submit_job(self._warm_up, "warm-up")
             self.warmed.add_done_callback(_log_warm_up_failure)
 
+    def wait_warm(self, timeout: float | None = None) -> int:
+        """Block until the background warm-up has finished, so that what follows is timed
+        without it; returns the tokens it ran (0 at once when warm-up is off).
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+            Exception: whatever the warm-up raised.
+        """
+        return 0 if self.warmed is None else self.warmed.result(timeout=timeout)
+
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template once, then a throwaway turn."""
         started = time.perf_counter()

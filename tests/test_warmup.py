@@ -22,6 +22,7 @@ def test_replies_are_the_same_with_and_without_warm_up() -> None:
     for warmup in (True, False):
         engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, warmup=warmup))
         assert (engine.warmed is None) is (not warmup)
+        assert engine.wait_warm(timeout=120) == (WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS if warmup else 0)
         chat = Chat("w", system="be brief", engine=engine, persist=False, max_new_tokens=8)
         chat.send("hello there")  # asked for at once: it starts after the warm-up
         chat.send("and again")
