@@ -48,7 +48,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from chatkv.testing_pg import free_port  # (standard library only: no torch, no database)
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("chatkv", "transformers", "llama.cpp")
@@ -76,13 +77,6 @@ class Unavailable(Exception):
 
 
 # --- processes --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:
