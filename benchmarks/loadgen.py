@@ -154,7 +154,6 @@ class LoadGen:
                                   timeout=args.request_timeout)
         self.turns: list[Turn] = []
         self.t0 = 0.0
-        self.deadline = 0.0
         self.restarted_at: float | None = None
         self.restart_began: float | None = None
         #: Seconds the server was down for its restart: users go on that much longer.
