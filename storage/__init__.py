@@ -29,6 +29,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ChunkFile": ("chunkfile", "ChunkFile"),
     "ChunkHash": ("hashing", "ChunkHash"),
     "ChunkInfo": ("records", "ChunkInfo"),
+    "ChunkSource": ("store", "ChunkSource"),
     "ChunkMeta": ("chunkfile", "ChunkMeta"),
     "ChunkUsage": ("records", "ChunkUsage"),
     "CorruptChunkError": ("errors", "CorruptChunkError"),
@@ -60,6 +61,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "StorageError": ("errors", "StorageError"),
     "StorageWriteError": ("errors", "StorageWriteError"),
     "Store": ("store", "Store"),
+    "StoredKV": ("store", "StoredKV"),
     "chunk_hash": ("hashing", "chunk_hash"),
     "collect_garbage": ("gc", "collect_garbage"),
     "default_db_url": ("paths", "default_db_url"),
@@ -74,12 +76,12 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
-    "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkUsage",
+    "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkSource", "ChunkUsage",
     "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
     "InvalidSessionIdError", "Lease", "LeaseLostError", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
-    "SessionNotFoundError", "StorageError", "StorageWriteError", "Store", "chunk_hash", "collect_garbage",
+    "SessionNotFoundError", "StorageError", "StorageWriteError", "Store", "StoredKV", "chunk_hash", "collect_garbage",
     "default_db_url", "default_home", "enforce_disk_policy", "export_session", "extract_archive", "import_session",
     "pack_token_ids", "unpack_token_ids", "validate_session_id",
 ]
@@ -126,7 +128,7 @@ if TYPE_CHECKING:
         SessionInfo,
         SessionKV,
     )
-    from .store import Store
+    from .store import ChunkSource, Store, StoredKV
 
 
 def __getattr__(name: str) -> Any:

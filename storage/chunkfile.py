@@ -110,13 +110,20 @@ def payload_checksum(tensors: Mapping[str, torch.Tensor], algorithm: str | None 
     total = 0
     for name in sorted(tensors):
         t = tensors[name]
-        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\n".encode())
         flat = t.detach().contiguous().reshape(-1)
-        if flat.numel():
-            raw = flat.view(torch.uint8).numpy()
-            h.update(raw.data)
-            total += raw.nbytes
+        total += _feed(h, name, t.dtype, tuple(t.shape), [flat.view(torch.uint8).numpy().data] if flat.numel() else [])
     return f"{algorithm}:" + h.hexdigest(), total
+
+
+def _feed(h: Any, name: str, dtype: torch.dtype, shape: tuple[int, ...], buffers: Sequence[Any]) -> int:
+    """Feed one tensor's entry of the payload checksum to ``h``: its name, dtype
+    and shape, then its bytes (``buffers`` in order). Returns the bytes fed."""
+    h.update(f"{name}\0{str(dtype)}\0{shape}\n".encode())
+    total = 0
+    for buf in buffers:
+        h.update(buf)
+        total += memoryview(buf).nbytes
+    return total
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -329,26 +336,100 @@ def tensors_from_map(mm: Any, size: int, header: Mapping[str, Any], base: int) -
     """
     import torch
 
-    st_dtypes = _st_dtypes()
     tensors: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        dtype = st_dtypes.get(info.get("dtype")) if isinstance(info, dict) else None
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
-        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
-            raise ValueError(f"bad header entry for tensor {name!r}")
-        begin, end = int(offsets[0]), int(offsets[1])
-        count = 1
-        for dim in shape:
-            count *= int(dim)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not 0 <= begin <= end or base + end > size or end - begin != count * itemsize:
-            raise ValueError(f"tensor {name!r} has offsets {offsets} outside or inconsistent with the file")
-        if count == 0:
+    for name, (dtype, shape, begin, end) in _entries(header, base, size).items():
+        if begin == end:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin)
         tensors[name] = flat.view(dtype).reshape(shape)
     return tensors
+
+
+def _entries(header: Mapping[str, Any], base: int, size: int
+             ) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """Each tensor of a parsed safetensors ``header`` as ``(dtype, shape, begin,
+    end)`` (offsets into the data section), every field checked against a file
+    of ``size`` bytes whose data section starts at ``base``.
+
+    Raises:
+        ValueError: an unknown dtype or offsets outside or inconsistent with the file.
+    """
+    import torch
+
+    st_dtypes = _st_dtypes()
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        dtype = st_dtypes.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            raise ValueError(f"bad header entry for tensor {name!r}")
+        dims = tuple(int(dim) for dim in shape)
+        begin, end = int(offsets[0]), int(offsets[1])
+        count = 1
+        for dim in dims:
+            count *= dim
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if min(dims, default=0) < 0 or not 0 <= begin <= end or base + end > size or end - begin != count * itemsize:
+            raise ValueError(f"tensor {name!r} has offsets {offsets} outside or inconsistent with the file")
+        out[name] = (dtype, dims, begin, end)
+    return out
+
+
+def _checked_size(path: Path, expected_hash: ChunkHash, expected_bytes: int | None) -> int:
+    """The file's size, checked against the index's; raises Missing/CorruptChunkError."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MissingChunkError(expected_hash, f"file {path} is missing") from None
+    if expected_bytes is not None and size != expected_bytes:
+        raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
+    return size
+
+
+def _checked_identity(md: Mapping[str, str], ids_t: torch.Tensor | None, expected_hash: ChunkHash,
+                      fingerprint: str | None, verify: bool) -> tuple[list[int], ChunkHash | None]:
+    """Check a chunk's format, name, fingerprint and token ids (and, with ``verify``,
+    that its chained hash follows from them); returns ``(token ids, parent)``.
+
+    Raises:
+        CorruptChunkError: any check failed.
+    """
+    import torch
+
+    if md.get("format") != FORMAT or md.get("format_version") != FORMAT_VERSION:
+        raise CorruptChunkError(
+            expected_hash, f"format {md.get('format')!r} v{md.get('format_version')!r}, expected {FORMAT} v{FORMAT_VERSION}"
+        )
+    if md.get("chunk_hash") != expected_hash:
+        raise CorruptChunkError(expected_hash, f"file says it is chunk {md.get('chunk_hash')!r}")
+    if fingerprint is not None and md.get("fingerprint") != fingerprint:
+        raise CorruptChunkError(expected_hash, f"fingerprint {md.get('fingerprint')!r}, expected {fingerprint!r}")
+    if ids_t is None or ids_t.dtype != torch.int32 or ids_t.dim() != 1:
+        raise CorruptChunkError(expected_hash, "no int32 token id vector")
+    token_ids = ids_t.tolist()
+    if str(len(token_ids)) != md.get("n_tokens"):
+        raise CorruptChunkError(expected_hash, f"{len(token_ids)} token ids, metadata says {md.get('n_tokens')}")
+    parent = ChunkHash(md["parent"]) if md.get("parent") else None
+    if verify:
+        try:
+            again = chunk_hash(parent, token_ids, md.get("fingerprint", ""), md.get("kv_format", ""))
+        except ValueError as e:
+            raise CorruptChunkError(expected_hash, str(e)) from e
+        if again != expected_hash:
+            raise CorruptChunkError(expected_hash, "chained hash does not match the tokens")
+    return token_ids, parent
+
+
+def _verify_checksum(md: Mapping[str, str], tensors: Mapping[str, torch.Tensor], expected_hash: ChunkHash) -> None:
+    """Raise :class:`CorruptChunkError` unless ``tensors`` match the file's payload checksum."""
+    algorithm = (md.get("checksum") or "").partition(":")[0]
+    try:
+        checksum, _ = payload_checksum(tensors, algorithm)
+    except ValueError as e:
+        raise CorruptChunkError(expected_hash, str(e)) from e
+    if checksum != md.get("checksum"):
+        raise CorruptChunkError(expected_hash, "payload checksum mismatch")
 
 
 def read_chunk_file(
@@ -371,48 +452,184 @@ def read_chunk_file(
         MissingChunkError: no file.
         CorruptChunkError: any other check failed (the caller quarantines).
     """
-    import torch
-
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise MissingChunkError(expected_hash, f"file {path} is missing") from None
-    if expected_bytes is not None and size != expected_bytes:
-        raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
+    _checked_size(path, expected_hash, expected_bytes)
     try:
         md, tensors = map_safetensors(path)
     except (OSError, ValueError) as e:
         raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
-    if md.get("format") != FORMAT or md.get("format_version") != FORMAT_VERSION:
-        raise CorruptChunkError(
-            expected_hash, f"format {md.get('format')!r} v{md.get('format_version')!r}, expected {FORMAT} v{FORMAT_VERSION}"
-        )
-    if md.get("chunk_hash") != expected_hash:
-        raise CorruptChunkError(expected_hash, f"file says it is chunk {md.get('chunk_hash')!r}")
-    if fingerprint is not None and md.get("fingerprint") != fingerprint:
-        raise CorruptChunkError(expected_hash, f"fingerprint {md.get('fingerprint')!r}, expected {fingerprint!r}")
     ids_t = tensors.pop(TOKEN_IDS_KEY, None)
-    if ids_t is None or ids_t.dtype != torch.int32 or ids_t.dim() != 1:
-        raise CorruptChunkError(expected_hash, "no int32 token id vector")
-    token_ids = ids_t.tolist()
-    if str(len(token_ids)) != md.get("n_tokens"):
-        raise CorruptChunkError(expected_hash, f"{len(token_ids)} token ids, metadata says {md.get('n_tokens')}")
-    parent = ChunkHash(md["parent"]) if md.get("parent") else None
+    token_ids, parent = _checked_identity(md, ids_t, expected_hash, fingerprint, verify)
     if verify:
-        algorithm = (md.get("checksum") or "").partition(":")[0]
-        try:
-            checksum, _ = payload_checksum({**tensors, TOKEN_IDS_KEY: ids_t}, algorithm)
-        except ValueError as e:
-            raise CorruptChunkError(expected_hash, str(e)) from e
-        if checksum != md.get("checksum"):
-            raise CorruptChunkError(expected_hash, "payload checksum mismatch")
-        try:
-            again = chunk_hash(parent, token_ids, md.get("fingerprint", ""), md.get("kv_format", ""))
-        except ValueError as e:
-            raise CorruptChunkError(expected_hash, str(e)) from e
-        if again != expected_hash:
-            raise CorruptChunkError(expected_hash, "chained hash does not match the tokens")
+        _verify_checksum(md, {**tensors, TOKEN_IDS_KEY: ids_t}, expected_hash)
     return ChunkFile(expected_hash, parent, token_ids, tensors, md)
+
+
+class ChunkReader:
+    """A chunk file whose header, name, fingerprint and token ids are checked,
+    and whose tensors are read on demand straight into memory the caller names.
+
+    Made by :func:`open_chunk_file`; a context manager (closes the file). Where
+    :func:`read_chunk_file` maps the file and leaves the caller to copy the
+    tensors where they belong, :meth:`read_into` reads each tensor's bytes with
+    one ``preadv`` into the caller's buffers (a block pool's slots, say): one
+    copy from the page cache, with no page faults on a mapping, then the
+    payload checksum over the bytes where they landed.
+
+    Attributes:
+        hash, parent, token_ids, metadata: as in :class:`ChunkFile`.
+        shapes: each tensor's ``(dtype, shape)`` but the token ids', from the header.
+    """
+
+    def __init__(self, fd: int, expected_hash: ChunkHash,
+                 entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]], base: int,
+                 metadata: dict[str, str], token_ids: list[int], parent: ChunkHash | None,
+                 ids_tensor: torch.Tensor) -> None:
+        """Use :func:`open_chunk_file`."""
+        self._fd = fd
+        self.hash = expected_hash
+        self.parent = parent
+        self.token_ids = token_ids
+        self.metadata = metadata
+        self._ids = ids_tensor
+        self._spans = {name: (base + begin, end - begin) for name, (_, _, begin, end) in entries.items()}
+        self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_into(self, buffers: Mapping[str, Sequence[Any]], *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Read every tensor: each one named in ``buffers`` into those writable
+        buffers (bytes-like, C-contiguous), which it fills in order and which
+        together hold exactly its bytes; every other one into new memory. With
+        ``verify``, then check the payload checksum over what was read.
+
+        Returns:
+            The tensors read into new memory, by name (not those in ``buffers``).
+
+        Raises:
+            ValueError: ``buffers`` names an unknown tensor or does not add up to its size.
+            CorruptChunkError: the file ends early or the checksum does not match;
+                the caller's buffers then hold unverified bytes.
+        """
+        import torch
+
+        unknown = set(buffers) - set(self.shapes)
+        if unknown:
+            raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
+        fresh: dict[str, torch.Tensor] = {}
+        views: dict[str, list[memoryview]] = {}
+        for name, (offset, nbytes) in self._spans.items():
+            if name in buffers:
+                bufs = [memoryview(b).cast("B") for b in buffers[name]]
+                if sum(b.nbytes for b in bufs) != nbytes:
+                    raise ValueError(f"buffers for tensor {name!r} hold {sum(b.nbytes for b in bufs)} bytes, "
+                                     f"the tensor {nbytes}")
+            else:
+                dtype, shape = self.shapes[name]
+                fresh[name] = torch.empty(shape, dtype=dtype)
+                bufs = [fresh[name].view(-1).view(torch.uint8).numpy().data] if nbytes else []
+            _preadv_all(self._fd, bufs, offset, self.hash)
+            views[name] = bufs
+        if verify:
+            algorithm = (self.metadata.get("checksum") or "").partition(":")[0]
+            try:
+                h = _hasher(algorithm)
+            except ValueError as e:
+                raise CorruptChunkError(self.hash, str(e)) from e
+            ids = self._ids
+            _feed(h, TOKEN_IDS_KEY, ids.dtype, tuple(ids.shape), [ids.view(torch.uint8).numpy().data])
+            for name in sorted(views):
+                dtype, shape = self.shapes[name]
+                _feed(h, name, dtype, shape, views[name])
+            if f"{algorithm}:" + h.hexdigest() != self.metadata.get("checksum"):
+                raise CorruptChunkError(self.hash, "payload checksum mismatch")
+        return fresh
+
+
+def open_chunk_file(
+    path: Path,
+    expected_hash: ChunkHash,
+    *,
+    expected_bytes: int | None = None,
+    fingerprint: str | None = None,
+) -> ChunkReader:
+    """Open one chunk file for :meth:`ChunkReader.read_into`, reading only its
+    header and token ids and making every check :func:`read_chunk_file` makes
+    but the payload checksum (which ``read_into`` makes). Pure read.
+
+    Raises:
+        MissingChunkError: no file.
+        CorruptChunkError: any other check failed (the caller quarantines).
+    """
+    import torch
+
+    size = _checked_size(path, expected_hash, expected_bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise MissingChunkError(expected_hash, f"file {path} is missing") from None
+    except OSError as e:
+        raise CorruptChunkError(expected_hash, f"cannot open the file ({e.strerror or e})") from e
+    try:
+        head = os.pread(fd, 8, 0)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        buf = head + os.pread(fd, n, 8) if 0 < n <= size - 8 else head
+        header, md, base = _read_header(buf, size)
+        entries = _entries(header, base, size)
+        ids_entry = entries.pop(TOKEN_IDS_KEY, None)
+        if ids_entry is None or ids_entry[0] != torch.int32 or len(ids_entry[1]) != 1:
+            raise CorruptChunkError(expected_hash, "no int32 token id vector")
+        _, _, begin, end = ids_entry
+        raw = os.pread(fd, end - begin, base + begin)
+        if len(raw) != end - begin:
+            raise CorruptChunkError(expected_hash, "the file ends before its token ids do")
+        ids_t = torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.empty(0, dtype=torch.int32)
+        token_ids, parent = _checked_identity(md, ids_t, expected_hash, fingerprint, verify=True)
+        return ChunkReader(fd, expected_hash, entries, base, md, token_ids, parent, ids_t)
+    except ValueError as e:
+        os.close(fd)
+        raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024,
+               1024)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int, chunk: ChunkHash) -> None:
+    """Fill ``bufs`` in order from ``fd`` at ``offset``, with as few ``preadv``
+    calls as the system's iovec limit allows. Raises CorruptChunkError at an early end."""
+    pending = [b for b in bufs if b.nbytes]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, batch, offset)
+        else:  # pragma: no cover - platforms without preadv
+            os.lseek(fd, offset, os.SEEK_SET)
+            n = os.readv(fd, batch)
+        if n <= 0:
+            raise CorruptChunkError(chunk, "the file ends before its tensors do")
+        offset += n
+        while n and pending:
+            first = pending[0]
+            if n >= first.nbytes:
+                n -= first.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = first[n:]
+                n = 0
 
 
 def meta_from_file(md: Mapping[str, str]) -> ChunkMeta:

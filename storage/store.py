@@ -40,8 +40,10 @@ from .chunkfile import (
     ChunkFile,
     ChunkMeta,
     atomic_write,
+    ChunkReader,
     encode_chunk,
     ensure_dir,
+    open_chunk_file,
     read_chunk_file,
     read_safetensors_metadata,
 )
@@ -643,9 +645,17 @@ class Store(StoreUpkeep):
             info = _info(row) if row is not None else None
         if info is None:
             raise MissingChunkError(h, "no such chunk in the index")
-        try:
+        with self._quarantined_on_failure(info):
             return read_chunk_file(self.path_of(info), info.hash, expected_bytes=info.bytes,
                                    fingerprint=fingerprint, verify=verify)
+
+    @contextmanager
+    def _quarantined_on_failure(self, info: ChunkInfo) -> Iterator[None]:
+        """A read of chunk ``info`` that fails verification quarantines it (the
+        error re-raised with the sessions it cut); a missing chunk directory is
+        reported as such and cuts nobody's KV."""
+        try:
+            yield
         except CorruptChunkError as e:
             if isinstance(e, MissingChunkError) and not self.kv_dir.is_dir():
                 # Not a lost file but a missing directory (a server not given the
@@ -1079,20 +1089,39 @@ class Store(StoreUpkeep):
             CorruptChunkError / MissingChunkError: after quarantining (see :meth:`read_chunk`);
                 chunks already yielded remain a valid prefix.
         """
+        kv = self.open_kv(session_id, fingerprint=fingerprint)
+        off = 0
+        for info in kv.chunks:
+            f = self.read_chunk(info.hash, fingerprint=fingerprint, verify=verify)
+            self._check_chunk_tokens(info, f.token_ids, kv.token_ids[off: off + info.n_tokens])
+            off += info.n_tokens
+            yield LoadedChunk(info, f.token_ids, f.tensors)
+
+    def open_kv(self, session_id: str, *, fingerprint: str | None = None) -> "StoredKV":
+        """The session's stored KV as it is now (its token ids and ordered chunk
+        list, read in one transaction), to read chunk by chunk straight into the
+        caller's memory: iterating it opens each chunk in order
+        (:class:`ChunkSource`). Nothing but the index is read here.
+
+        Raises:
+            FingerprintMismatchError: the KV belongs to another fingerprint.
+            SessionNotFoundError: no such session.
+        """
         with self._tx(write=False) as s:
             row = self._get(s, session_id)
             if fingerprint is not None and row.n_cached and row.fingerprint != fingerprint:
                 raise FingerprintMismatchError(session_id, row.fingerprint, fingerprint)
             ids = unpack_token_ids(row.cached_ids)
-        infos = self.kv_chunks(session_id)
-        off = 0
-        for info in infos:
-            f = self.read_chunk(info.hash, fingerprint=fingerprint, verify=verify)
-            if f.token_ids != ids[off: off + info.n_tokens]:
-                sessions = self.quarantine_chunk(info.hash, "tokens differ from the session's")
-                raise CorruptChunkError(info.hash, "tokens differ from the session's cached ids", sessions)
-            off += info.n_tokens
-            yield LoadedChunk(info, f.token_ids, f.tensors)
+            rows = s.scalars(select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
+                             .where(SessionChunkRow.session_id == row.id).order_by(SessionChunkRow.position))
+            infos = [_info(r) for r in rows]
+        return StoredKV(self, session_id, fingerprint, ids, infos)
+
+    def _check_chunk_tokens(self, info: ChunkInfo, got: list[int], expected: list[int]) -> None:
+        """Quarantine chunk ``info`` and raise unless its tokens are the session's ``expected`` ones."""
+        if got != expected:
+            sessions = self.quarantine_chunk(info.hash, "tokens differ from the session's")
+            raise CorruptChunkError(info.hash, "tokens differ from the session's cached ids", sessions)
 
     def load_kv(self, session_id: str, *, fingerprint: str | None = None, verify: bool = True) -> SessionKV:
         """Read and verify the session's whole KV (see :meth:`iter_kv` for errors)."""
@@ -1232,3 +1261,66 @@ class Store(StoreUpkeep):
             except CorruptChunkError as e:
                 bad.append(e)
         return bad
+
+
+@dataclass
+class StoredKV:
+    """A session's stored KV, from :meth:`Store.open_kv`: iterate it for its
+    chunks in order, each opened (header and tokens checked) as it is reached.
+
+    Attributes:
+        session_id: the session.
+        token_ids: the tokens its KV covers.
+        chunks: its chunk list, in order.
+    """
+
+    store: "Store"
+    session_id: str
+    fingerprint: str | None
+    token_ids: list[int]
+    chunks: list[ChunkInfo]
+
+    def __iter__(self) -> Iterator["ChunkSource"]:
+        """Each chunk, opened; a chunk that fails its checks is quarantined and
+        its :class:`CorruptChunkError` (or :class:`MissingChunkError`) raised,
+        the chunks before it remaining a valid prefix. The caller reads each
+        with :meth:`ChunkSource.read_into` before asking for the next."""
+        store = self.store
+        off = 0
+        for info in self.chunks:
+            with store._quarantined_on_failure(info):
+                reader = open_chunk_file(store.path_of(info), info.hash, expected_bytes=info.bytes,
+                                         fingerprint=self.fingerprint)
+            try:
+                store._check_chunk_tokens(info, reader.token_ids, self.token_ids[off: off + info.n_tokens])
+                off += info.n_tokens
+                yield ChunkSource(store, info, reader)
+            finally:
+                reader.close()
+
+
+class ChunkSource:
+    """One opened chunk of a :class:`StoredKV`: its index facts, tokens and the
+    tensors' shapes, read on demand into the caller's memory."""
+
+    def __init__(self, store: "Store", info: ChunkInfo, reader: ChunkReader) -> None:
+        """Made by :class:`StoredKV`."""
+        self._store = store
+        self._reader = reader
+        self.info = info
+        self.token_ids: list[int] = reader.token_ids
+        self.shapes = reader.shapes
+        self.kv_format = info.kv_format
+
+    def read_into(self, buffers: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+        """Read and verify the chunk's tensors, those named in ``buffers`` into
+        those buffers (see :meth:`~.chunkfile.ChunkReader.read_into`); returns
+        the others, read into new memory.
+
+        Raises:
+            CorruptChunkError: after quarantining the chunk; the caller's
+                buffers then hold unverified bytes and must not be used.
+            ValueError: ``buffers`` do not fit the chunk's tensors.
+        """
+        with self._store._quarantined_on_failure(self.info):
+            return self._reader.read_into(buffers)

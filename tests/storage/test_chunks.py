@@ -15,7 +15,7 @@ from chatkv.storage import (
 )
 from safetensors import safe_open
 
-from .conftest import CHUNK, FP, META, kv_files, kv_for, new_chunks
+from .conftest import BLOCK, CHUNK, FP, META, kv_files, kv_for, new_chunks
 
 
 def _turn(store: Store, sid: str, ids: list[int]):
@@ -150,8 +150,18 @@ def _corrupt_header(p: Path) -> None:
     p.write_bytes(bytes(b))
 
 
+def _read_into_buffers(store: Store, sid: str, fingerprint: str | None = None) -> None:
+    """Read a session's KV the way a restore does: each chunk straight into caller memory."""
+    for source in store.open_kv(sid, fingerprint=fingerprint):
+        dtype, shape = source.shapes["kv"]
+        dest = torch.empty(shape, dtype=dtype)
+        source.read_into({"kv": [dest.view(-1).view(torch.uint8).numpy().data]})
+
+
+@pytest.mark.parametrize("read", ["load_kv", "open_kv"])
 @pytest.mark.parametrize("damage", [_corrupt_flip, _corrupt_truncate, _corrupt_header, Path.unlink])
-def test_corrupt_or_missing_chunk_is_quarantined_and_history_survives(store: Store, home: Path, damage) -> None:
+def test_corrupt_or_missing_chunk_is_quarantined_and_history_survives(store: Store, home: Path, damage,
+                                                                       read: str) -> None:
     store.open_session("s", fingerprint=FP)
     store.open_session("t", fingerprint=FP)
     for i in range(3):
@@ -162,7 +172,10 @@ def test_corrupt_or_missing_chunk_is_quarantined_and_history_survives(store: Sto
     bad = r.chunks[1]
     damage(store.path_of(bad))
     with pytest.raises(CorruptChunkError) as ei:
-        store.load_kv("s", fingerprint=FP)
+        if read == "load_kv":
+            store.load_kv("s", fingerprint=FP)
+        else:
+            _read_into_buffers(store, "s", fingerprint=FP)
     assert ei.value.chunk_hash == bad.hash and ei.value.sessions == ("s", "t")
     if damage is Path.unlink:
         assert isinstance(ei.value, MissingChunkError)
@@ -240,3 +253,63 @@ def test_files_checksummed_with_sha256_still_verify(tmp_path) -> None:
     assert got.metadata["checksum"].startswith("sha256:")
     assert torch.equal(got.tensors["kv"], torch.arange(8.0))
     store.close()
+
+
+def test_open_kv_reads_each_chunk_straight_into_the_callers_buffers(store: Store) -> None:
+    """What a restore does: the index read once, each chunk's tensor read into
+    caller memory cut into pieces (a pool's rows, with room for skipped tokens)."""
+    ids = list(range(150))
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    kv = store.open_kv("s", fingerprint=FP)
+    assert kv.token_ids == ids and [c.n_tokens for c in kv.chunks] == [64, 64, 22]
+    pool = torch.zeros(2, 2, 40, BLOCK, 2, 8)  # [layers, k/v, blocks, block size, heads, dim]
+    seen = []
+    for source in kv:
+        n = source.info.n_tokens
+        dtype, shape = source.shapes["kv"]
+        assert dtype == torch.float32 and shape == (2, 2, -(-n // BLOCK), BLOCK, 2, 8)
+        assert source.token_ids == ids[sum(seen): sum(seen) + n]
+        # Every layer and K/V row in its own piece, far apart in the pool, each split once more.
+        first = 10 * len(seen)
+        rows = [pool[layer, i, first: first + shape[2]].view(-1).view(torch.uint8).numpy().data.cast("B")
+                for layer in range(2) for i in range(2)]
+        buffers = [piece for row in rows for piece in (row[:100], row[100:])]
+        assert source.read_into({"kv": buffers}) == {}
+        want = kv_for(source.token_ids)["kv"]
+        assert torch.equal(pool[:, :, first: first + shape[2]], want)
+        seen.append(n)
+    assert seen == [64, 64, 22]
+
+
+def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store) -> None:
+    ids = list(range(20))
+    extra = {"kv": torch.randn(2, 3), "scale": torch.rand(5)}
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[NewChunk(20, extra, META)])
+    (source,) = list(store.open_kv("s"))
+    with pytest.raises(ValueError, match="hold 8 bytes, the tensor 24"):
+        source.read_into({"kv": [bytearray(8)]})
+    with pytest.raises(ValueError, match="no tensor"):
+        source.read_into({"missing": [bytearray(8)]})
+    for source in store.open_kv("s"):
+        dest = bytearray(24)
+        fresh = source.read_into({"kv": [dest]})
+        assert set(fresh) == {"scale"} and torch.equal(fresh["scale"], extra["scale"])
+        assert torch.equal(torch.frombuffer(dest, dtype=torch.float32).view(2, 3), extra["kv"])
+
+
+def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
+    ids = list(range(70))
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+    with pytest.raises(FingerprintMismatchError):
+        store.open_kv("s", fingerprint="another-model")
+    # A session whose cached ids no longer match its chunk's tokens: the chunk is quarantined.
+    store.open_session("t")
+    r = store.save_kv("t", token_ids=ids[:64], fingerprint=FP, chunks=new_chunks(ids[:64]))
+    kv = store.open_kv("t")
+    kv.token_ids = [7] + ids[1:64]
+    with pytest.raises(CorruptChunkError, match="tokens differ"):
+        list(kv)
+    assert not store.has_chunk(r.chunks[0].hash)
