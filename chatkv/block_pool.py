@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NewType, Sequence as Seq
@@ -52,6 +53,67 @@ def block_hash(parent: BlockHash | None, token_ids: Seq[int], namespace: bytes) 
     h.update(namespace)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return BlockHash(h.digest())
+
+
+def slot_runs(slots: Seq[int]) -> list[tuple[int, int, int]]:
+    """``slots`` cut into runs of consecutive slots: ``(index of the run's first
+    entry, its first slot, its length)``. A sequence's blocks are usually
+    consecutive in the pool, so a restore writes each chunk as one slice copy
+    per layer instead of an indexed copy per token."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, slots[start], i - start))
+            start = i
+    return runs
+
+
+class FreeBlocks:
+    """The pool's free blocks, handed out lowest-numbered first.
+
+    A CPU pool is allocated without touching its pages (the kernel commits
+    them on first write), and a page's first write costs far more than a
+    later one: several times more on this project's VM. Handing out the
+    lowest free block keeps the pool's working set at its start, where pages
+    are already committed and warm, and its resident memory near the peak
+    use instead of the whole budget (first-in-first-out reuse walks through
+    every block before it reuses one). A set for membership plus a min-heap
+    with lazy deletion (rebuilt when stale entries outnumber live ones):
+    every operation is O(log n) amortized.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        """All of ``0 .. num_blocks - 1`` free."""
+        self._set = set(range(num_blocks))
+        self._heap = list(range(num_blocks))
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._set
+
+    def add(self, block: int) -> None:
+        """Mark ``block`` free."""
+        assert block not in self._set, f"block {block} freed twice"
+        self._set.add(block)
+        heapq.heappush(self._heap, block)
+        if len(self._heap) > 2 * len(self._set) + 64:  # too many entries of blocks taken by take()
+            self._heap = list(self._set)
+            heapq.heapify(self._heap)
+
+    def take(self, block: int) -> None:
+        """Take the free ``block``."""
+        self._set.remove(block)  # its heap entry is skipped when it surfaces
+
+    def take_lowest(self) -> int:
+        """Take the lowest-numbered free block (there must be one)."""
+        while True:
+            block = heapq.heappop(self._heap)
+            if block in self._set:
+                self._set.remove(block)
+                return block
 
 
 @dataclass
@@ -129,7 +191,7 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockHash, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = FreeBlocks(num_blocks)
         self._cached: OrderedDict[int, None] = OrderedDict()
         self.prefix_hits = 0
         self.prefix_misses = 0
@@ -194,14 +256,15 @@ class BlockPool:
     def _allocate(self, after: int | None = None) -> int:
         """Take a block: the one right after block ``after`` when it is free (so a
         growing sequence's blocks stay consecutive, and attention reads them as
-        one slice instead of gathering them), else the oldest free block, else
-        the least recently released cached one (evicting its prefix entry)."""
+        one slice instead of gathering them), else the lowest-numbered free
+        block (see :class:`FreeBlocks`), else the least recently released
+        cached one (evicting its prefix entry)."""
         nxt = after + 1 if after is not None else -1
-        if 0 <= nxt < self.num_blocks and self.ref_counts[nxt] == 0 and nxt not in self._cached:
-            self._free.remove(nxt)  # unowned and not cached: free
+        if 0 <= nxt < self.num_blocks and nxt in self._free:
+            self._free.take(nxt)
             block = nxt
         elif self._free:
-            block = self._free.popleft()
+            block = self._free.take_lowest()
         elif self._cached:
             block, _ = self._cached.popitem(last=False)  # least recently released
             self._forget_hash(block)
@@ -233,7 +296,7 @@ class BlockPool:
                 self._cached[block] = None
             else:
                 self._forget_hash(block)
-                self._free.append(block)
+                self._free.add(block)
 
     def _writable(self, block: int) -> bool:
         return self.ref_counts[block] == 1 and self.block_hash[block] is None
@@ -243,6 +306,37 @@ class BlockPool:
         if shift is None or index * self.block_size < shift.sink:
             return self.namespace
         return self.namespace + b"/shift/" + shift.key
+
+    def commit_pages(self, max_bytes: int) -> int:
+        """Write the free blocks among the pool's first ``max_bytes`` once, so
+        that the pages under them are committed before a turn needs them (a
+        host pool is allocated without touching its pages, and a page's first
+        write costs several times a later one; blocks are handed out lowest
+        first, so these are the ones used first). A no-op off the CPU, where
+        pools are allocated committed. Returns the blocks written.
+        """
+        self._check()
+        if self.kv.device.type != "cpu":
+            return 0
+        n = min(self.num_blocks, max(0, max_bytes) // self.bytes_per_block)
+        free = [b for b in range(n) if b in self._free]
+        for _, first, length in slot_runs(free):
+            self.kv[:, :, first : first + length].zero_()
+        return len(free)
+
+    def evict_cached(self) -> int:
+        """Forget every cached block (full, hashed, owned by no sequence): they
+        become free and their prefixes are no longer found. Returns how many.
+        For a cold prefix cache (a benchmark's, a test's) without a new pool."""
+        self._check()
+        n = 0
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._forget_hash(block)
+            self._free.add(block)
+            n += 1
+        self.evictions += n
+        return n
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's K and V of block ``src`` into block ``dst``."""
@@ -432,28 +526,67 @@ class BlockPool:
         """Append tokens whose K/V are already known (restored from a lower tier).
 
         ``kv`` is ``[num_layers, 2, len(token_ids), kv_heads, head_dim]``; it is
-        copied into the pool in one indexed write (no per-token loop) and the
-        tokens count as computed. All-or-nothing like :meth:`prepare_write`.
+        copied into the pool one slice per run of consecutive slots (usually
+        one: see :func:`slot_runs`) and the tokens count as computed. All-or-nothing like :meth:`prepare_write`.
         ``exact=False`` (KV from a lossy tier) marks ``seq`` inexact, so these
         blocks are never shared by hash.
         """
         self._check()
-        n = len(token_ids)
-        L, two, nb, bs, h, d = self.kv.shape
-        assert kv.shape == (L, two, n, h, d), f"restored KV {tuple(kv.shape)} does not fit the pool {(L, two, n, h, d)}"
-        assert seq.num_computed == len(seq.token_ids), "write_tokens appends after fully computed tokens"
+        L, two, _, _, h, d = self.kv.shape
+        assert kv.shape == (L, two, len(token_ids), h, d), \
+            f"restored KV {tuple(kv.shape)} does not fit the pool {(L, two, len(token_ids), h, d)}"
+        slots = self.reserve(seq, token_ids)
+        self.fill(slots, kv)
+        if not exact:
+            seq.exact = False
+        self.commit(seq, len(token_ids))
+
+    def reserve(self, seq: Sequence, token_ids: Seq[int]) -> list[int]:
+        """Append ``token_ids`` to a fully computed ``seq`` as not yet computed
+        and take slots for them (all-or-nothing, like :meth:`prepare_write`), for
+        KV that arrives from elsewhere: the caller fills the slots (:meth:`fill`,
+        or the buffers of :meth:`slot_buffers`), then commits what it filled
+        (:meth:`commit`) and truncates the rest away (:meth:`truncate`). Until then the blocks are
+        ``seq``'s alone (unhashed, so never shared or read by another sequence).
+
+        Returns:
+            The slots, one per token.
+        """
+        self._check()
+        assert seq.num_computed == len(seq.token_ids), "reserve appends after fully computed tokens"
         seq.token_ids.extend(token_ids)
         try:
-            slots = self.prepare_write(seq, n)
+            return self.prepare_write(seq, len(token_ids))
         except Exception:
             del seq.token_ids[seq.num_computed :]
             raise
-        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
+
+    def fill(self, slots: Seq[int], kv: torch.Tensor) -> None:
+        """Copy ``kv`` ``[num_layers, 2, len(slots), kv_heads, head_dim]`` into
+        reserved ``slots`` (see :meth:`reserve`), converting it to the pool's
+        device and dtype, one slice copy per run of consecutive slots."""
+        self._check()
+        L, two, nb, bs, h, d = self.kv.shape
         flat = self.kv.view(L, two, nb * bs, h, d)
-        flat.index_copy_(2, index, kv.to(device=self.kv.device, dtype=self.kv.dtype, non_blocking=True))
-        if not exact:
-            seq.exact = False
-        self.commit(seq, n)
+        src = kv.to(device=self.kv.device, dtype=self.kv.dtype, non_blocking=True)
+        for at, slot, length in slot_runs(slots):
+            flat[:, :, slot : slot + length].copy_(src[:, :, at : at + length])
+
+    def slot_buffers(self, slots: Seq[int]) -> list[list[memoryview]] | None:
+        """Writable byte views of reserved ``slots`` (see :meth:`reserve`), for
+        a reader that fills them straight from a file: for each layer and each
+        of K and V in turn, the views of the slots' rows in order (one per run of
+        consecutive slots), so that their concatenation, layer by layer,
+        receives a ``[num_layers, 2, len(slots), kv_heads, head_dim]`` tensor's
+        bytes in C order. None where the pool is not in host memory."""
+        self._check()
+        if self.kv.device.type != "cpu":
+            return None
+        L, two, nb, bs, h, d = self.kv.shape
+        flat = self.kv.view(L, two, nb * bs, h, d)
+        runs = slot_runs(slots)
+        return [[flat[layer, i, slot : slot + length].view(torch.uint8).numpy().data.cast("B")
+                 for _, slot, length in runs] for layer in range(L) for i in range(two)]
 
     def read_tokens(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,

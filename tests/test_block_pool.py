@@ -157,3 +157,83 @@ def test_cached_blocks_are_evicted_least_recently_released_first():
     pool.release(c)
     pool.release(d)
     assert pool.num_available == 4
+
+
+def test_free_blocks_are_handed_out_lowest_first_so_the_pool_stays_compact():
+    """A CPU pool commits its pages on first write: reusing the lowest free
+    blocks keeps the working set (and resident memory) at the pool's start."""
+    pool = make_pool(num_blocks=16)
+    a, b, c = Sequence(), Sequence(), Sequence()
+    fill(pool, a, list(range(8)))        # blocks 0, 1
+    fill(pool, b, list(range(100, 108)))  # blocks 2, 3
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+    pool.release(a)
+    pool.evict_cached()
+    fill(pool, c, list(range(200, 212)))  # a's blocks first, then the next free one
+    assert c.block_table[:2] == [0, 1] and c.block_table[2] == 4
+    pool.release(b)
+    pool.release(c)
+    assert pool.stats().used_blocks == 0
+
+
+def test_free_block_bookkeeping_survives_any_order_of_operations():
+    import random
+
+    rng = random.Random(0)
+    free = bp.FreeBlocks(50)
+    ref = set(range(50))
+    for _ in range(5000):
+        op = rng.random()
+        if op < 0.4 and ref:
+            got = free.take_lowest()
+            assert got == min(ref)
+            ref.remove(got)
+        elif op < 0.7 and ref:
+            block = rng.choice(sorted(ref))
+            assert block in free
+            free.take(block)
+            ref.remove(block)
+        elif len(ref) < 50:
+            block = rng.choice(sorted(set(range(50)) - ref))
+            free.add(block)
+            ref.add(block)
+        assert len(free) == len(ref)
+    assert len(free._heap) <= 2 * len(ref) + 65  # stale entries are dropped, never pile up
+
+
+def test_reserved_slots_are_filled_then_committed_or_given_back():
+    pool = make_pool()
+    seq = Sequence()
+    fill(pool, seq, [1, 2, 3, 4, 5])
+    slots = pool.reserve(seq, [6, 7, 8, 9, 10, 11])
+    assert seq.num_computed == 5 and seq.token_ids[-1] == 11 and len(slots) == 6
+    kv = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1, 1).expand(2, 2, 6, 2, 4).contiguous()
+    pool.fill(slots[:3], kv[:, :, :3])
+    # the same bytes through the byte views a file reader fills
+    views = pool.slot_buffers(slots[3:])
+    assert views is not None and len(views) == 2 * 2
+    for pieces, row in zip(views, kv[:, :, 3:].reshape(4, -1)):
+        data = row.numpy().tobytes()
+        assert sum(v.nbytes for v in pieces) == len(data)
+        at = 0
+        for v in pieces:  # several when the slots are not consecutive
+            v[:] = data[at: at + v.nbytes]
+            at += v.nbytes
+    pool.commit(seq, 4)  # tokens 6..9 verified; 10 and 11 were not
+    pool.truncate(seq, seq.num_computed)
+    assert seq.num_computed == 9 and seq.token_ids == list(range(1, 10))
+    got = pool.read_tokens(seq, 5, 4)
+    assert torch.equal(got, kv[:, :, :4])
+    pool.release(seq)
+    assert pool.stats().used_blocks == 0
+
+
+def test_commit_pages_writes_only_free_blocks():
+    pool = make_pool(num_blocks=8)
+    seq = Sequence()
+    fill(pool, seq, list(range(1, 7)))  # blocks 0, 1
+    before = pool.read_tokens(seq, 0, 6)
+    per_block = pool.bytes_per_block
+    assert pool.commit_pages(3 * per_block) == 1  # blocks 0 and 1 are in use: block 2 only
+    assert pool.commit_pages(100 * per_block) == 6
+    assert torch.equal(pool.read_tokens(seq, 0, 6), before)
