@@ -48,6 +48,10 @@ def model_cache_dir() -> Path:
 WARMUP_PROMPT_TOKENS = 128
 #: One-token decode steps of the warm-up.
 WARMUP_DECODE_STEPS = 4
+#: Bytes of a host pool's first blocks the warm-up writes once, so that a first
+#: restore or prefill finds their pages committed (about a 5k-token SmolLM2
+#: session in bfloat16; see :meth:`chatkv.block_pool.BlockPool.commit_pages`).
+WARMUP_POOL_BYTES = 128 << 20
 
 
 @dataclass
@@ -87,7 +91,8 @@ class EngineConfig:
             tokens and a few decode steps) on the loop as soon as the engine
             exists, in the background, so that the first real turn does not
             pay for first-call costs (thread pool start, kernel selection and
-            compilation, allocator growth, the chat template's compilation).
+            compilation, allocator growth, the chat template's compilation,
+            the first :data:`WARMUP_POOL_BYTES` of a host pool's pages).
             A turn asked for meanwhile starts once it is done.
         prepack: pack the weights of the model's linear layers once for
             oneDNN on the CPU (:mod:`chatkv.prepack`; about 1.2x faster decode

@@ -25,7 +25,14 @@ import torch
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
-from chatkv.config import WARMUP_DECODE_STEPS, WARMUP_PROMPT_TOKENS, EngineConfig, SamplingParams, TierConfig
+from chatkv.config import (
+    WARMUP_DECODE_STEPS,
+    WARMUP_POOL_BYTES,
+    WARMUP_PROMPT_TOKENS,
+    EngineConfig,
+    SamplingParams,
+    TierConfig,
+)
 from chatkv.costs import CostModel, resolve_policy
 from chatkv.errors import ConfigError, ContextWindowExceededError
 from chatkv.hardware import parse_dtype, resolve_dtype
@@ -131,9 +138,14 @@ class Engine:
         return 0 if self.warmed is None else self.warmed.result(timeout=timeout)
 
     def _warm_up(self) -> int:
-        """The warm-up job (on the loop): the chat template once, then a throwaway turn."""
+        """The warm-up job (on the loop): the chat template and the text bound
+        once, the pool's first pages, then a throwaway turn."""
+        from chatkv.models import max_token_chars
+
         started = time.perf_counter()
         self.encode_chat([{"role": "system", "content": "warm-up"}, {"role": "user", "content": "hello"}])
+        max_token_chars(self.tokenizer)
+        self.pool.commit_pages(WARMUP_POOL_BYTES)
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)

@@ -361,14 +361,23 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
 
 
 def max_token_chars(tokenizer: Any) -> int:
-    """The longest text one token of ``tokenizer`` stands for (at least 1): a text
-    of more than ``max_context * max_token_chars`` characters cannot fit the window,
-    whatever it tokenizes to."""
+    """At least the longest text one token of ``tokenizer`` stands for (and at
+    least 1): a text of more than ``max_context * max_token_chars`` characters
+    cannot fit the window, whatever it tokenizes to.
+
+    The bound is the longest token *as the vocabulary spells it*: a byte-level
+    BPE token spells each byte as one character, a SentencePiece token its
+    ``▁`` as one, byte fallback ``<0x41>`` in six, WordPiece ``##ing`` in five,
+    and none decodes to more characters than it is spelled with. Reading the
+    spellings takes milliseconds where decoding the whole vocabulary took a
+    tenth of a second of the first turn's time (holding the GIL against the
+    restore running beside it). Computed once per tokenizer.
+    """
     cached = getattr(tokenizer, "_chatkv_max_token_chars", None)
     if cached is None:
-        vocab = tokenizer.get_vocab()
-        longest = max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
-        cached = max(1, longest)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else tokenizer.get_vocab()
+        cached = max(1, max(map(len, vocab), default=1))
         try:
             tokenizer._chatkv_max_token_chars = cached
         except AttributeError:

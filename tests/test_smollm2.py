@@ -180,3 +180,14 @@ def test_trim_past_three_windows_matches_stock_on_the_kept_messages(smollm2, smo
     inside = [m.as_dict() for m in chat.history if not m.outside]
     assert len(engine.encode_chat(inside, add_generation_prompt=False)) <= window  # the rest is marked outside
     chat.close()
+
+
+def test_the_text_bound_is_at_least_every_tokens_decoded_length(smollm2):
+    """``max_token_chars`` reads the vocabulary's spellings (milliseconds, where
+    decoding every token took a tenth of a second of the first turn): it must
+    still bound what any one token decodes to."""
+    from chatkv.models import max_token_chars
+
+    tok = smollm2.tokenizer
+    longest = max(len(tok.convert_tokens_to_string([t])) for t in tok.get_vocab())
+    assert max_token_chars(tok) >= longest
