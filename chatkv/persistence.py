@@ -39,6 +39,7 @@ from chatkv.storage import (
     NewChunk,
     SaveResult,
     Store,
+    StoredKV,
     default_db_url,
     default_home,
 )
@@ -247,8 +248,8 @@ class KVPersister:
                 store.invalidate_kv(kv.session_id)
                 engine.call(lambda: engine.tiers.restored(kv), "restored")
                 return saved
-            cached_ids = store.cached_token_ids(kv.session_id)
-            infos = store.kv_chunks(kv.session_id)
+            stored = store.open_kv(kv.session_id, fingerprint=self.fingerprint)
+            cached_ids, infos = stored.token_ids, stored.chunks
             try:
                 shift = parse_kv_format(infos[0].kv_format)[1] if infos else None
             except ValueError:
@@ -261,13 +262,13 @@ class KVPersister:
                 engine.call(lambda: engine.tiers.restored(kv), "restored")
                 return SavedKV(cached_ids, infos)  # still on disk: the next save keeps what it can
             info.decision = "restore"
-            if not engine.call(lambda: self._begin(kv, cached_ids, need_room, shift), "begin restore"):
+            plan = engine.call(lambda: self._begin(kv, stored, need_room, shift), "begin restore")
+            if plan is None:
                 return None
             load_started = time.perf_counter()
-            saved = self._load(kv, cached_ids, info, shift)
+            saved = self._load(kv, stored, plan, info, shift)
             if not info.warning:
                 engine.costs.record_restore(info.bytes_read, time.perf_counter() - load_started)
-            engine.call(lambda: engine.tiers.restored(kv), "restored")
             return saved
         finally:
             info.seconds = time.perf_counter() - started
@@ -328,26 +329,46 @@ class KVPersister:
         self.store.mark_kv_verified(session_id, kv_generation=kv_generation)
         return True
 
-    def _begin(self, kv: "TieredKV", cached_ids: list[int], need_room: bool, shift: Shift | None = None) -> bool:
-        """On the loop: attach the shared prefix (of a sequence with ``shift``) and make room for the rest."""
+    def _begin(self, kv: "TieredKV", stored: StoredKV, need_room: bool,
+               shift: Shift | None = None) -> "_RestorePlan | None":
+        """On the loop: attach the shared prefix (of a sequence with ``shift``),
+        make room for the rest and reserve its slots, whole chunks as far as
+        they fit (see :class:`_RestorePlan`). None if ``need_room`` and the
+        pool has not room for all of it."""
         pool = self.engine.pool
+        cached_ids = stored.token_ids
         matched, _ = pool.prefix_plan(cached_ids + [-1], shift)
         need = -(-len(cached_ids) // pool.block_size) - matched // pool.block_size
         if not self.engine.tiers.reclaim(need, exclude=kv) and need_room:
-            return False
+            return None
         # Blocks other sessions hold for the same prefix are shared, not reloaded.
-        kv.seq.shift = shift
-        pool.match_prefix(kv.seq, cached_ids + [-1])
-        kv.seq.token_ids = list(cached_ids[: kv.seq.num_computed])
-        return True
+        seq = kv.seq
+        seq.shift = shift
+        pool.match_prefix(seq, cached_ids + [-1])
+        seq.token_ids = list(cached_ids[: seq.num_computed])
+        start = end = seq.num_computed
+        off = 0
+        for chunk in stored.chunks:  # the last chunk boundary whose tokens fit
+            off += chunk.n_tokens
+            if off > start and pool.blocks_needed(seq, off - start) <= pool.num_available:
+                end = off
+        slots = pool.reserve(seq, cached_ids[start:end]) if end > start else []
+        return _RestorePlan(start, end, slots, pool.slot_buffers(slots))
 
-    def _write(self, kv: "TieredKV", token_ids: list[int], tensor: Any, exact: bool) -> bool:
-        """On the loop: append restored tokens; False when the pool is full."""
-        try:
-            self.engine.pool.write_tokens(kv.seq, token_ids, tensor, exact=exact)
-        except OutOfBlocksError:
-            return False
-        return True
+    def _finish(self, kv: "TieredKV", plan: "_RestorePlan", exact_until: int, good: int) -> None:
+        """On the loop: commit the reserved tokens that were filled and verified
+        (up to ``good``; KV past ``exact_until`` came from a lossy format and
+        marks the sequence inexact), give back the rest of the reservation, and
+        tell the tier policy the session is back."""
+        pool, seq = self.engine.pool, kv.seq
+        exact = max(plan.start, min(exact_until, good))
+        pool.commit(seq, exact - plan.start)
+        if good > exact:
+            seq.exact = False
+            pool.commit(seq, good - exact)
+        if len(seq.token_ids) > seq.num_computed:
+            pool.truncate(seq, seq.num_computed)
+        self.engine.tiers.restored(kv)
 
     def _dense(self, tensors: dict[str, "torch.Tensor"], base: str,
                shape: tuple[int, int, int, int, int]) -> tuple["torch.Tensor | None", str]:
@@ -365,79 +386,144 @@ class KVPersister:
                          f"not {shape}"
         return tensor, ""
 
-    def _load(self, kv: "TieredKV", cached_ids: list[int], info: RestoreInfo, shift: Shift | None = None) -> SavedKV:
-        engine, store = self.engine, self.store
+    def _load(self, kv: "TieredKV", stored: StoredKV, plan: "_RestorePlan", info: RestoreInfo,
+              shift: Shift | None = None) -> SavedKV:
+        """Fill the slots ``plan`` reserved from the session's chunk files, then
+        commit what was read and verified (see :meth:`_finish`).
+
+        On a host pool, a chunk in the pool's own layout is read straight into
+        its slots (:meth:`ChunkSource.read_into`: one copy, then the checksum
+        over the bytes where they landed); a compact chunk, or any chunk of a
+        device pool, is read into memory of its own and written into its slots
+        by the loop (which dequantizes it), while the next chunk is read.
+        Chunks wholly inside the shared prefix are not read at all.
+        """
+        engine = self.engine
         L, two, _, _, h, d = engine.pool.kv.shape
-        chunks: list[ChunkInfo] = []
-        pending: tuple[Future, ChunkInfo] | None = None
-        off = 0
-        start = kv.seq.num_computed  # tokens the shared prefix already covers
-        full = True
+        row = h * d * engine.pool.kv.element_size()
+        chunks: list[ChunkInfo] = []  # chunks whose KV is in the pool (or shared), in order
+        # Chunks read whose KV is not yet known good: (the loop's fill or None, chunk, its end, exact).
+        read: list[tuple[Future | None, ChunkInfo, int, bool]] = []
+        good = exact_until = plan.start
 
-        def settle() -> bool:
-            nonlocal pending
-            if pending is None:
-                return True
-            future, chunk = pending
-            pending = None
-            if future.result():
+        def settle() -> None:
+            nonlocal good, exact_until
+            while read:
+                fill, chunk, end, exact = read.pop(0)
+                if fill is not None:
+                    try:
+                        self._settle(fill, chunk)
+                    except CorruptChunkError:
+                        read.clear()  # what was read after it cannot be used
+                        raise
+                if exact and exact_until == good:
+                    exact_until = end
+                good = end
                 chunks.append(chunk)
-                return True
-            info.warning = f"session {kv.session_id!r}: the KV pool is full; loaded {kv.seq.num_computed} tokens"
-            return False
 
+        off = 0
+        failure: CorruptChunkError | None = None
         try:
-            for loaded in store.iter_kv(kv.session_id, fingerprint=self.fingerprint):
-                n = loaded.info.n_tokens
-                info.bytes_read += loaded.info.bytes
+            for source in stored:
+                n = source.info.n_tokens
                 try:
-                    base, chunk_shift = parse_kv_format(loaded.info.kv_format)
+                    base, chunk_shift = parse_kv_format(source.kv_format)
                 except ValueError:
-                    base, chunk_shift = loaded.info.kv_format, ...
-                tensor, reason = self._dense(loaded.tensors, base, (L, two, n, h, d))
-                if tensor is None:
-                    raise CorruptChunkError(loaded.info.hash, reason,
-                                            store.quarantine_chunk(loaded.info.hash, reason))
-                if not settle():
-                    full = False
-                    break
+                    base, chunk_shift = source.kv_format, ...
                 if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
                     info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "
-                                    f"loaded {kv.seq.num_computed} tokens, re-prefilling the rest")
+                                    "re-prefilling from there")
                     kv.lost = "its stored KV mixed differently shifted windows"
-                    full = False
                     break
-                skip = max(0, start - off)
-                if skip < n:
-                    ids, part = loaded.token_ids[skip:], tensor[:, :, skip:]
-                    exact = base == DENSE_FORMAT  # packed KV is lossy
-                    pending = (engine.scheduler.submit_job(lambda i=ids, p=part, e=exact: self._write(kv, i, p, e),
-                                                           "restore chunk"), loaded.info)
+                if off + n <= plan.start:  # wholly in the shared prefix
+                    chunks.append(source.info)
+                    off += n
+                    continue
+                if off + n > plan.end:
+                    info.warning = f"session {kv.session_id!r}: the KV pool is full; loaded part of its KV"
+                    break
+                skip = max(0, plan.start - off)
+                lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
+                info.bytes_read += source.info.bytes
+                if (plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT)
+                        and source.shapes.get(KV_TENSOR) == (engine.pool.kv.dtype, (L, two, n, h, d))):
+                    scratch = memoryview(bytearray(L * two * skip * row))  # the shared tokens' bytes
+                    buffers = []
+                    for j, views in enumerate(plan.buffers):
+                        buffers.append(scratch[j * skip * row: (j + 1) * skip * row])
+                        buffers.extend(_cut(views, lo * row, hi * row))
+                    source.read_into({KV_TENSOR: buffers})
+                    fill = None
                 else:
-                    chunks.append(loaded.info)
+                    tensors = source.read_into({})
+                    settle()  # one fill in flight at a time
+                    slots = plan.slots[lo:hi]
+                    fill = engine.scheduler.submit_job(
+                        lambda t=tensors, b=base, k=skip, sl=slots, m=n: self._fill(t, b, (L, two, m, h, d), k, sl),
+                        "restore chunk")
+                read.append((fill, source.info, off + n, base == DENSE_FORMAT))  # packed KV is lossy
                 off += n
-            if full and not settle():
-                full = False
         except CorruptChunkError as exc:
-            settle()
-            info.warning = f"session {kv.session_id!r}: {exc}; re-prefilling from that point"
-            kv.lost = (f"stored KV chunk {exc.chunk_hash[:12]} is missing" if isinstance(exc, MissingChunkError)
-                       else f"stored KV chunk {exc.chunk_hash[:12]} failed verification and was quarantined")
-            full = False
+            failure = exc
         finally:
-            if pending is not None:
-                pending[0].result()
-                pending = None
+            try:
+                settle()
+            except CorruptChunkError as exc:
+                failure = failure or exc
+            engine.call(lambda: self._finish(kv, plan, exact_until, good), "finish restore")
+        if failure is not None:
+            info.warning = f"session {kv.session_id!r}: {failure}; re-prefilling from that point"
+            kv.lost = (f"stored KV chunk {failure.chunk_hash[:12]} is missing"
+                       if isinstance(failure, MissingChunkError)
+                       else f"stored KV chunk {failure.chunk_hash[:12]} failed verification and was quarantined")
         info.cached_tokens = kv.seq.num_computed
-        if full:
-            return SavedKV(cached_ids, chunks, shift)
-        good = sum(c.n_tokens for c in chunks)
+        kept = sum(c.n_tokens for c in chunks)
+        return SavedKV(stored.token_ids[:kept], chunks, shift)
 
-        def cut() -> None:
-            if kv.seq.num_computed > good:
-                engine.pool.truncate(kv.seq, good)
-            kv.seq.token_ids = kv.seq.token_ids[: kv.seq.num_computed]
+    def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
+              skip: int, slots: list[int]) -> str:
+        """On the loop: write a chunk read into memory of its own (dequantizing a
+        compact one) into its reserved ``slots``, past its first ``skip`` tokens.
+        Returns "" or why the chunk's tensors do not fit its format."""
+        tensor, reason = self._dense(tensors, base, shape)
+        if tensor is not None:
+            self.engine.pool.fill(slots, tensor[:, :, skip:])
+        return reason
 
-        engine.call(cut, "cut restore")
-        info.cached_tokens = kv.seq.num_computed
-        return SavedKV(cached_ids[:good], chunks, shift)
+    def _settle(self, pending: Future, chunk: ChunkInfo) -> None:
+        """Wait for a chunk's :meth:`_fill`; raise CorruptChunkError (quarantined) if it did not fit."""
+        reason = pending.result()
+        if reason:
+            raise CorruptChunkError(chunk.hash, reason, self.store.quarantine_chunk(chunk.hash, reason))
+
+
+@dataclass
+class _RestorePlan:
+    """What :meth:`KVPersister._begin` reserved for a restore.
+
+    Attributes:
+        start: tokens the shared prefix covers (attached, not read).
+        end: tokens covered once the reserved slots are filled: a chunk
+            boundary, the whole stored KV unless the pool is short.
+        slots: the slots of tokens ``start .. end - 1``.
+        buffers: their bytes per layer and K/V (:meth:`BlockPool.slot_buffers`), on a host pool.
+    """
+
+    start: int
+    end: int
+    slots: list[int]
+    buffers: list[list[memoryview]] | None
+
+
+def _cut(views: list[memoryview], lo: int, hi: int) -> list[memoryview]:
+    """Bytes ``lo .. hi - 1`` of the concatenation of ``views``, as views."""
+    out = []
+    at = 0
+    for v in views:
+        a, b = max(lo, at), min(hi, at + v.nbytes)
+        if a < b:
+            out.append(v[a - at: b - at])
+        at += v.nbytes
+        if at >= hi:
+            break
+    return out

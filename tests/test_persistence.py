@@ -291,3 +291,36 @@ def test_imported_kv_is_checked_against_the_model_before_it_is_used(made_by):
     again.send("and then?")
     assert again.last_stats.token_ids == ref.last_stats.token_ids
     again.close()
+
+
+def test_a_restore_reads_only_what_the_pool_does_not_share_and_answers_the_same():
+    """The stored session's first chunk is partly held by another open session
+    (the same system prompt): the restore attaches those blocks, reads the
+    rest of that chunk and every later one straight into the pool, and the
+    next turn equals a session that never left memory."""
+    system = "You are a terse assistant who answers in one line. " * 3
+    first = fresh_engine()
+    chat = open_chat(first, "b", system=system)
+    for text in TURNS[:2]:
+        chat.send(text)
+    cached = chat.num_cached_tokens
+    chat.close()
+    ref = open_chat(fresh_engine(), "reference", system=system, persist=False)
+    for text in TURNS:
+        ref.send(text)
+
+    second = fresh_engine()
+    other = open_chat(second, "a", system=system, persist=False)
+    other.send("hello")  # the system prompt's blocks are now in this pool
+    again = open_chat(second, "b")
+    info = again.wait_restored()
+    assert info.source == "disk" and info.cached_tokens == cached
+    # whole chunks inside the shared prefix are not read; the rest is
+    assert 0 < info.bytes_read < sum(c.bytes for c in default_store().kv_chunks("b"))
+    assert second.pool_stats().shared_blocks > 0
+    again.send(TURNS[2])
+    assert again.last_stats.token_ids == ref.last_stats.token_ids
+    assert again.last_stats.reused_tokens == ref.last_stats.reused_tokens
+    again.close()
+    other.close()
+    assert second.pool_stats().used_blocks == 0
