@@ -268,7 +268,7 @@ class Chat:
         for m in new:
             history.check_text(m.content, self._max_chars, f"a {m.role} message", allow_empty=m.role == "assistant")
         session, stats = self._session, TurnStats(started_at=time.perf_counter())
-        with self._turn_lock():
+        with self._turn_lock(ready=False):
             base = history.appended(session.messages, new)
             if base:
                 session.prefill(base, stats, self.context_policy, self.sink, new_messages=len(new))
@@ -295,7 +295,7 @@ class Chat:
     def _run(self, base: Callable[[list[Message]], list[Message]], params: SamplingParams,
              started: float) -> Iterator[str]:
         stats = TurnStats(started_at=started)
-        with self._turn_lock():
+        with self._turn_lock(ready=False):
             try:
                 yield from self._session.turn(base(list(self._session.messages)), params, stats,
                                               self.context_policy, self.sink)
@@ -363,11 +363,14 @@ class Chat:
         if self._closed:
             raise SessionBusyError(f"chat {self.session_id!r} is closed")
 
-    def _turn_lock(self) -> "_Held":
-        """Claim the session for a turn once its restore is done; SessionBusyError if one runs."""
+    def _turn_lock(self, ready: bool = True) -> "_Held":
+        """Claim the session for a turn, once its restore is done unless ``ready``
+        is False (a turn or an append, which template their history while the
+        restore runs and wait in the session); SessionBusyError if one runs."""
         self._check_open()
         session = self._session
-        session.ready.wait()
+        if ready:
+            session.ready.wait()
         session.begin_turn()
         return _Held(session)
 

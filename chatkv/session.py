@@ -406,9 +406,11 @@ class Session:
                   sink: tuple[int, int, bool, SinkPolicy] | None = None) -> None:
         """Pin, promote (restoring from disk if needed) and align to ``ids`` (if
         given; under the sink policy ``sink`` is ``(protect, reserve, generate,
-        sizes)`` of :meth:`_align_sink`). The session stays pinned when this
-        returns normally or raises."""
+        sizes)`` of :meth:`_align_sink`). Waits for the restore begun at open
+        first (a turn templates its history meanwhile). The session stays
+        pinned when this returns normally or raises."""
         engine = self.engine
+        self.ready.wait()
         source = engine.call(self._prepare, "prepare turn")
         stats.kv_source = source
         lost = self.kv.lost
