@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "files": [str(p) for p in files], "restore_s": [], "pool_bytes": 0,
                             "top1_agreement": fid.top1_agreement if fid else 1.0,
                             "mean_kl": fid.mean_kl if fid else 0.0}
-            del e
+            e.close()
         for _ in range(args.repeats):
             for fmt in FORMATS:
                 e = engine(fmt)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[fmt]["restore_s"].append(r.seconds)
                 results[fmt]["pool_bytes"] = r.cached_tokens * e.pool.bytes_per_block // e.pool.block_size
                 chat.close()
-                del e
+                e.close()
         for fmt, res in results.items():
             n, t = raw_read(Path(p) for p in res.pop("files"))
             res["raw_read_bytes_per_s"] = n / t

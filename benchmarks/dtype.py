@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {name: Engine(m, EngineConfig(kv_budget_bytes=512 << 20)) for name, m in loaded.items()}
     history = _history(loaded["float32"].tokenizer, args.prefill_tokens)
     speed = time_turns(engines, history, args.decode_tokens, args.repeats)
-    del engines
+    for e in engines.values():
+        e.close()
     stock = {}
     for name, m in loaded.items():
         m.model.set_attn_implementation("sdpa")

@@ -51,6 +51,7 @@ def measure_throughput(engine: Any, points: list[Any], new_tokens: int,
         start = time.perf_counter()
         seq_tokens = sum(_run(seq_engine, f"seq-{i}", p, new_tokens)[0] for i, p in enumerate(prompts))
         seq_rate = seq_tokens / (time.perf_counter() - start)
+        seq_engine.close()  # one loop thread (one OpenMP pool) at a time
 
         con_engine = Engine(engine.loaded, EngineConfig(kv_budget_bytes=512 << 20))
         _run(con_engine, "warmup", "warm up", 4)
@@ -77,4 +78,5 @@ def measure_throughput(engine: Any, points: list[Any], new_tokens: int,
             "mean_ttft_s": statistics.mean(ttfts) if ttfts else float("nan"),
             "max_batch": con_engine.scheduler.stats.max_batch_seqs,
         })
+        con_engine.close()
     return {"available": True, "rows": rows}

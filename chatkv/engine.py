@@ -151,6 +151,26 @@ class Engine:
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
         return n
 
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Close the engine: close every session still open on it (each saved
+        and its lease released, as :meth:`chatkv.Chat.close` does), stop its
+        maintenance thread, and end its loop thread now instead of after
+        :data:`chatkv.scheduler.IDLE_EXIT_S` idle. Each loop thread that ran
+        the model holds an OpenMP thread pool: a process that makes engines
+        one after another should close each, or their pools outnumber the
+        cores and every operator slows down. Afterwards turns, jobs and new
+        sessions raise :class:`~chatkv.errors.EngineClosedError`. Idempotent.
+        """
+        if self.scheduler.closed:
+            return
+        self.sessions.close_all()
+        self.sessions.stop_maintenance()
+        with _ENGINES_LOCK:
+            for key in [k for k, e in _ENGINES.items() if e is self]:
+                del _ENGINES[key]
+        if not self.scheduler.close(timeout):
+            log.warning("the engine's loop did not end within %s s of close()", timeout)
+
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer."""

@@ -54,3 +54,8 @@ class QueueFullError(ChatKVError, RuntimeError):
 class EditError(ChatKVError, ValueError):
     """A history edit that does not apply: no turn to rewind or regenerate, an
     index that is not a user message."""
+
+
+class EngineClosedError(ChatKVError, RuntimeError):
+    """The engine was closed (:meth:`chatkv.engine.Engine.close`): it runs no
+    more turns or jobs. Open the session on another engine."""

@@ -68,7 +68,7 @@ from chatkv.channel import (
 )
 from chatkv.config import SamplingParams
 from chatkv.detokenizer import TextStreamer
-from chatkv.errors import OutOfBlocksError, QueueFullError
+from chatkv.errors import EngineClosedError, OutOfBlocksError, QueueFullError
 from chatkv.runner import StepInput
 from chatkv.sampling import Sampler
 from chatkv.sequence import Sequence
@@ -205,6 +205,7 @@ class Scheduler:
         self._jobs: list[Job] = []
         self._unadmitted = 0  # submitted, not yet admitted nor finished (bounded by max_waiting)
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._arrivals = itertools.count()
         # Owned by the loop thread:
         self._waiting: list[Request] = []  # sorted by arrival
@@ -215,7 +216,29 @@ class Scheduler:
         """True when called from the loop thread."""
         return threading.current_thread() is self._thread
 
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new turns and jobs (:class:`~chatkv.errors.EngineClosedError`),
+        let the loop finish what is queued or in flight, and wait up to
+        ``timeout`` seconds for its thread to end (at once, where it would
+        otherwise idle for :data:`IDLE_EXIT_S`). Returns whether it ended.
+        Idempotent; called from the loop itself, it does not wait."""
+        with self._mu:
+            self._closed = True
+            thread = self._thread
+            self._wake.notify_all()
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
     def _ensure_thread(self) -> None:  # under self._mu
+        if self._closed:
+            raise EngineClosedError("the engine was closed; it runs no more turns or jobs")
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="chatkv-loop", daemon=True)
             self._thread.start()
@@ -363,7 +386,7 @@ class Scheduler:
         while True:
             with self._mu:
                 while not (self._incoming or self._jobs or self._waiting or self._running):
-                    if not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs):
+                    if self._closed or (not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs)):
                         self._thread = None
                         return
                 for req in self._incoming:

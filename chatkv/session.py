@@ -788,6 +788,19 @@ class SessionManager:
                         del _OPEN[(id(session.store), session.session_id)]
                 session.released.set()
 
+    def close_all(self) -> None:
+        """Close every session open on this engine, whatever handles remain (for
+        :meth:`chatkv.engine.Engine.close`): each is saved and let go as its
+        last handle would. A failure to close one is logged, not raised."""
+        for session in self._all():
+            session.handles = 1
+            try:
+                self.close(session)
+            except Exception:
+                log.exception("could not close session %r while closing its engine", session.session_id)
+        with self._mu:
+            self._local.clear()
+
     def fork(self, parent: Session, session_id: str) -> Session:
         """A new session (one handle) that starts as a copy of ``parent``, sharing
         its KV blocks copy-on-write and, on disk, its chunks.

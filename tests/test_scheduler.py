@@ -239,3 +239,27 @@ def test_one_turn_per_session_at_a_time():
     "".join(p for p in first if isinstance(p, str))
     assert len(chat.messages) == 2
     chat.close()
+
+
+def test_closing_an_engine_saves_its_sessions_and_ends_its_loop_thread(chatkv_home):
+    from chatkv.errors import EngineClosedError
+
+    engine = make_engine()
+    stored = Chat("kept", system="sys", engine=engine, max_new_tokens=6)
+    stored.send("hello there")
+    local = Chat("local", engine=engine, persist=False, max_new_tokens=6)
+    local.send("hi")
+    thread = engine.scheduler._thread
+    assert thread is not None and thread.is_alive()
+    engine.close()
+    assert not thread.is_alive() and engine.scheduler.closed  # now, not after the idle timeout
+    with pytest.raises(EngineClosedError):
+        stored.send("and again")
+    with pytest.raises(EngineClosedError):
+        engine.pool_stats()
+    stored.close()  # a handle closed after its engine: nothing left to do
+    engine.close()  # idempotent
+    again = Chat("kept", engine=make_engine(), max_new_tokens=6)  # saved and its lease released
+    assert again.wait_restored().source == "disk"
+    assert [m["role"] for m in again.messages] == ["system", "user", "assistant"]
+    again.close()
