@@ -78,10 +78,11 @@ class Unavailable:
 
 def sample_for(system: str, point: Point, repeat: int, ttft_s: float, decode_s: float,
                tokens: list[int], **extra: float) -> Sample:
-    """Build a :class:`Sample`; ``decode_s`` is the time from the first to the last token."""
+    """Build a :class:`Sample`; ``decode_s`` is the time from the first to the last token
+    (``extra`` facts that are None are left out)."""
     rate = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else None
     return Sample(system, point.key, point.bin, point.n_cached, point.n_delta, repeat, ttft_s, rate,
-                  list(tokens), {k: float(v) for k, v in extra.items()})
+                  list(tokens), {k: float(v) for k, v in extra.items() if v is not None})
 
 
 # --- machine probes ---------------------------------------------------------------------

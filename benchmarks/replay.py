@@ -162,9 +162,10 @@ class ChatkvReplay:
         return engine
 
     def close(self) -> None:
-        """Close every open session and the store."""
+        """Close every open session, the engine and the store."""
         for conv in list(self.chats):
             self.finish_conversation(conv)
+        self.engine.close()
         self.store.close()
 
 
@@ -181,6 +182,7 @@ class ChatkvTier:
     def __init__(self, bench: ChatkvReplay, new_tokens: int) -> None:
         """Measure on ``bench``'s sessions, generating ``new_tokens`` per turn."""
         self.bench, self.new_tokens = bench, new_tokens
+        self.engine: Engine | None = None  # the measurement's own engine, closed after it
 
     def prepare(self, point: Point) -> None:
         """Nothing: the replay made the snapshot."""
@@ -190,8 +192,9 @@ class ChatkvTier:
         return {}
 
     def open(self, point: Point, session_id: str) -> Callable[[], Chat]:
-        """How the session comes back: a callable that opens it (timed)."""
-        engine = self.bench.fresh_engine(point, self.new_tokens)
+        """How the session comes back: a callable that opens it (timed), on an
+        engine of its own (:attr:`engine`, closed after the measurement)."""
+        engine = self.engine = self.bench.fresh_engine(point, self.new_tokens)
         return lambda: Chat(session_id, engine=engine, store=self.bench.store)
 
     def after(self, point: Point, session_id: str, chat: Chat) -> dict[str, float]:
@@ -211,6 +214,9 @@ class ChatkvTier:
             extra.update(self.after(point, sid, chat))
             chat.close()
         finally:
+            if self.engine is not None:  # its loop thread (and OpenMP pool) ends now
+                self.engine.close()
+                self.engine = None
             self.bench.store.delete_session(sid)
         return sample_for(self.name, point, repeat, ttft, decode, tokens, **extra)
 
@@ -296,14 +302,16 @@ class RestartTier(ChatkvTier):
         self.repeats = repeats
 
     def measure(self, point: Point, repeat: int) -> Sample | None:
-        """Run the probe on a clone of the snapshot and read its JSON answer."""
+        """Run the probe on a clone of the snapshot (and, for its next turn, a
+        second clone) and read its JSON answer."""
         if repeat >= self.repeats:
             return None
         sid = self.bench.clone(point.key, f"t{repeat}-{point.key}")
+        sid2 = self.bench.clone(point.key, f"u{repeat}-{point.key}")
         try:
-            req = {"home": str(self.bench.home), "session": sid, "user": point.user,
-                   "model": self.bench.model_spec, "threads": self.bench.threads, "new_tokens": self.new_tokens,
-                   "spawned_at": time.time()}
+            req = {"home": str(self.bench.home), "session": sid, "next_session": sid2, "user": point.user,
+                   "model": self.bench.model_spec, "dtype": str(self.bench.loaded.dtype).removeprefix("torch."),
+                   "threads": self.bench.threads, "new_tokens": self.new_tokens, "spawned_at": time.time()}
             proc = subprocess.run([sys.executable, "-m", "benchmarks.restart_probe"], input=json.dumps(req),
                                   capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode != 0:
@@ -311,10 +319,12 @@ class RestartTier(ChatkvTier):
             out = json.loads(proc.stdout.strip().splitlines()[-1])
         finally:
             self.bench.store.delete_session(sid)
+            self.bench.store.delete_session(sid2)
         return sample_for(self.name, point, repeat, out["ttft_s"], out["decode_s"], out["tokens"],
-                          restore_s=out["restore_s"], open_s=out["open_s"], first_token_s=out["first_token_s"], bytes_read=out["bytes_read"],
-                          process_to_first_token_s=out["process_to_first_token_s"],
-                          model_load_s=out["model_load_s"])
+                          restore_s=out["restore_s"], open_s=out["open_s"], first_token_s=out["first_token_s"],
+                          bytes_read=out["bytes_read"], process_to_first_token_s=out["process_to_first_token_s"],
+                          model_load_s=out["model_load_s"], next_ttft_s=out.get("next_ttft_s"),
+                          next_restore_s=out.get("next_restore_s"))
 
 
 def chatkv_systems(bench: ChatkvReplay, new_tokens: int, evict: str, restart_repeats: int) -> list[ChatkvTier]:

@@ -317,6 +317,37 @@ def goals(r: Results) -> list[tuple[str, bool | None, str]]:
     frac = [(bb, r.decode(HOT, bb)[1] / limit) for bb in bins if r.decode(HOT, bb)]
     out.append(("decode >= 70% of the weight-bandwidth limit", all(v >= 0.7 for _, v in frac) if frac else None,
                 ", ".join(f"{v:.0%} at {bb}" for bb, v in frac) + f" of {limit:.1f} tok/s" if frac else "not measured"))
+    return out + restart_goals(r)
+
+
+def restart_goals(r: Results) -> list[tuple[str, bool | None, str]]:
+    """The performance issue's goals for a session resumed from disk by a fresh
+    process (model loaded, no turn yet), at every history length: time to first
+    token at most 0.8x transformers' hand-made safetensors resume and at most
+    its ``DynamicCache`` kept in RAM, and at most 1.1x the next turn of the same
+    shape in the same process."""
+    out: list[tuple[str, bool | None, str]] = []
+
+    def per_bin(goal: str, ratio: Callable[[str], float | None], limit: float) -> None:
+        got = [(b, x) for b in r.bins if (x := ratio(b)) is not None]
+        out.append((goal, all(x <= limit for _, x in got) if got else None,
+                    ", ".join(f"{x:.2f}x at {b}" for b, x in got) or "not measured"))
+
+    def over(peer: str) -> Callable[[str], float | None]:
+        x = r.speedup  # ratio = 1 / speed-up of RESTART over the peer
+        return lambda b: None if (sp := x(RESTART, peer, b)) is None else 1 / sp
+
+    per_bin("after a process restart: TTFT <= 0.8x transformers' hand-made resume, every length",
+            over(HF_RESUME), 0.8)
+    per_bin("after a process restart: TTFT <= transformers' DynamicCache kept in RAM, every length",
+            over(HF_HOT), 1.0)
+
+    def first_vs_next(b: str) -> float | None:
+        first = stats(r.values(RESTART, b, lambda s: s["ttft_s"]))
+        nxt = stats(r.values(RESTART, b, lambda s: s["extra"].get("next_ttft_s")))
+        return first[1] / nxt[1] if first and nxt and nxt[1] > 0 else None
+
+    per_bin("first turn of a fresh process <= 1.1x the next turn of the same shape", first_vs_next, 1.1)
     return out
 
 

@@ -1,11 +1,15 @@
 """One resume in a fresh process: the "after a process restart" tier of the benchmark.
 
 Reads a JSON request on stdin (``home``, ``session``, ``user``, ``model``,
-``threads``, ``new_tokens``, ``spawned_at``), loads the model, opens the session
-from the store at ``home``, sends ``user`` and prints one JSON line: time to
-first token counted from ``Chat()`` (``ttft_s``), from the process's spawn
+``dtype``, ``threads``, ``new_tokens``, ``spawned_at`` and optionally
+``next_session``), loads the model, opens the session from the store at
+``home``, sends ``user`` and prints one JSON line: time to first token counted
+from ``Chat()`` (``ttft_s``), from the process's spawn
 (``process_to_first_token_s``), the model load time, the restore's seconds and
-bytes, the decode seconds and the generated token ids.
+bytes, the decode seconds and the generated token ids. With ``next_session``
+(a copy of the same session), the same turn is then timed again on it in the
+same process, its KV read from disk again (the prefix cache emptied first):
+``next_ttft_s``, what the first turn of a fresh process is compared with.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ def main() -> int:
     from benchmarks.replay import timed_turn
     from chatkv.chat import Chat
     from chatkv.engine import Engine
+    from chatkv.hardware import resolve_dtype
     from chatkv.models import load_model
 
     t0 = time.perf_counter()
     spec = req["model"]
-    loaded = load_model(None if spec == "default" else spec)
+    loaded = load_model(None if spec == "default" else spec, dtype=resolve_dtype(req.get("dtype")))
     model_load_s = time.perf_counter() - t0
     engine = Engine(loaded)
     engine.wait_warm()  # the warm-up belongs to loading, not to the timed turn
@@ -40,8 +45,18 @@ def main() -> int:
                                             req["user"], int(req["new_tokens"]))
     info = chat.restore
     chat.close()
+    nxt: dict[str, float] = {}
+    if req.get("next_session"):
+        engine.call(engine.pool.evict_cached, "cold prefix cache")  # the next restore reads the files again
+        n_ttft, _, n_tokens, n_chat, n_parts = timed_turn(
+            lambda: Chat(req["next_session"], engine=engine, store=store), req["user"], int(req["new_tokens"]))
+        assert n_chat.restore.source == "disk" and n_tokens == tokens, (n_chat.restore, n_tokens, tokens)
+        nxt = {"next_ttft_s": n_ttft, "next_restore_s": n_chat.restore.seconds,
+               "next_first_token_s": n_parts["first_token_s"]}
+        n_chat.close()
+    engine.close()
     store.close()
-    print(json.dumps({
+    print(json.dumps({**nxt,
         "ttft_s": ttft, "decode_s": decode, "tokens": tokens, "restore_s": info.seconds,
         "bytes_read": info.bytes_read, **parts, "cached_tokens": info.cached_tokens, "model_load_s": model_load_s,
         "process_to_first_token_s": chat_at + ttft - float(req["spawned_at"]),

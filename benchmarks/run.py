@@ -55,7 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model, tiny bins, one conversation, one repeat")
     p.add_argument("--evict", choices=("fadvise", "drop_caches", "none"), default="fadvise",
                    help="how the cold disk tier drops chunk files from the page cache")
-    p.add_argument("--restart-repeats", type=int, default=1, help="process restarts per point (0: skip the tier)")
+    p.add_argument("--restart-repeats", type=int, default=None,
+                   help="process restarts per point (default: --repeats; 0: skip the tier)")
+    p.add_argument("--dtype", default="auto",
+                   help="the model's dtype for chatkv and transformers: auto (bfloat16 on a CPU with native bf16), "
+                        "float32 or bfloat16")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--systems", default=None, help="comma-separated substrings: run only matching systems")
     p.add_argument("--budget-min", type=float, default=26.0,
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sample = args.sample or 6
     args.per_bin = args.per_bin or 2
     args.repeats = args.repeats or 3
+    if args.restart_repeats is None:
+        args.restart_repeats = args.repeats
     return args
 
 
@@ -124,6 +130,7 @@ def storage_report(bench: ChatkvReplay, geo: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark; returns the results (also what ``results.json`` holds)."""
+    from chatkv.hardware import resolve_dtype
     from chatkv.models import default_gguf_path, load_model
 
     started = time.perf_counter()
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _warm_llama_note()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     geo = geometry(loaded.model)
     bins = SMOKE_BINS if args.smoke else DEFAULT_BINS
     max_prompt = geo["max_context"] - args.new_tokens - 8
