@@ -715,17 +715,15 @@ class SessionManager:
         # The lease first: what is read below is what the previous holder committed.
         session.lease = store.acquire_lease(sid, timeout_s=lease_timeout_s, on_wait=waiting)
         try:
-            existed = store.has_session(sid)
-            store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
+            info = store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
             records = store.messages(sid)
             session.messages = [Message(r.role, r.content, r.partial, r.outside_window) for r in records]
             session._stored = [dataclasses.replace(m) for m in session.messages]
-            session.restore = RestoreInfo("history" if existed else "new", turns=self._turns(session))
-            info = store.get_session(sid)
-            n_cached = info.n_cached if existed else 0
+            n_cached = info.n_cached
+            session.restore = RestoreInfo("history" if records or n_cached else "new", turns=self._turns(session))
             kv = session.kv
             kv.tier = Tier.DISK if n_cached else Tier.DEVICE
-            kv.disk_bytes = info.kv_bytes if existed else 0
+            kv.disk_bytes = info.kv_bytes
             kv.keep_resident, kv.kv_ttl_s = info.pinned, info.kv_ttl_s  # retention stored with the session
             kv.pins = 1 if n_cached else 0
             engine.call(lambda: engine.tiers.register(kv), "register")

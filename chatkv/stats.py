@@ -87,7 +87,8 @@ class RestoreInfo:
     """How a session came back when it was opened.
 
     Attributes:
-        source: ``"new"`` (no such session), ``"memory"`` (already open in
+        source: ``"new"`` (nothing stored: no such session, or one without
+            messages or KV), ``"memory"`` (already open in
             this process), ``"disk"`` (KV loaded from chunk files; a prefix may
             have come from blocks other sessions share), or ``"history"``
             (messages restored but the KV was unusable or absent: the next turn
