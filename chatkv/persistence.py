@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_TENSOR = "kv"
+#: Threads reading a restore's chunks into the pool at once: each reads a file
+#: into its slots and checks its checksum there (both release the GIL).
+RESTORE_READERS = 2
 #: Tokens of imported KV recomputed to check it against the model.
 PROBE_TOKENS = 16
 #: Error allowed, relative to the largest magnitude, when probing imported compact KV, per scheme.
@@ -393,29 +396,35 @@ class KVPersister:
 
         On a host pool, a chunk in the pool's own layout is read straight into
         its slots (:meth:`ChunkSource.read_into`: one copy, then the checksum
-        over the bytes where they landed); a compact chunk, or any chunk of a
-        device pool, is read into memory of its own and written into its slots
-        by the loop (which dequantizes it), while the next chunk is read.
-        Chunks wholly inside the shared prefix are not read at all.
+        over the bytes where they landed), :data:`RESTORE_READERS` chunks at a
+        time; a compact chunk, or any chunk of a device pool, is read into
+        memory of its own and written into its slots by the loop (which
+        dequantizes it), while the next chunk is read. Chunks wholly inside the
+        shared prefix are not read at all. What counts is the longest run of
+        chunks from the start that all read and verified.
         """
         engine = self.engine
         L, two, _, _, h, d = engine.pool.kv.shape
         row = h * d * engine.pool.kv.element_size()
         chunks: list[ChunkInfo] = []  # chunks whose KV is in the pool (or shared), in order
-        # Chunks read whose KV is not yet known good: (the loop's fill or None, chunk, its end, exact).
-        read: list[tuple[Future | None, ChunkInfo, int, bool]] = []
+        # Chunks being read or read, whose KV is not yet known good, in order:
+        # (the read's or the loop's fill's future, chunk, its end, exact).
+        read: list[tuple[Future, ChunkInfo, int, bool]] = []
         good = exact_until = plan.start
 
-        def settle() -> None:
+        def settle(keep: int = 0) -> None:
+            """Count the leading chunks whose reads are done as good, waiting
+            until at most ``keep`` are left in flight."""
             nonlocal good, exact_until
-            while read:
-                fill, chunk, end, exact = read.pop(0)
-                if fill is not None:
-                    try:
-                        self._settle(fill, chunk)
-                    except CorruptChunkError:
-                        read.clear()  # what was read after it cannot be used
-                        raise
+            while read and (len(read) > keep or read[0][0].done()):
+                done, chunk, end, exact = read.pop(0)
+                try:
+                    self._settle(done, chunk)
+                except CorruptChunkError:
+                    for later, *_ in read:  # what was read after it cannot be used; let it finish
+                        later.exception()
+                    read.clear()
+                    raise
                 if exact and exact_until == good:
                     exact_until = end
                 good = end
@@ -423,6 +432,8 @@ class KVPersister:
 
         off = 0
         failure: CorruptChunkError | None = None
+        readers = ThreadPoolExecutor(RESTORE_READERS, thread_name_prefix="chatkv-restore-read") \
+            if plan.buffers is not None else None
         try:
             for source in stored:
                 n = source.info.n_tokens
@@ -430,39 +441,41 @@ class KVPersister:
                     base, chunk_shift = parse_kv_format(source.kv_format)
                 except ValueError:
                     base, chunk_shift = source.kv_format, ...
+                stop = None
                 if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
                     info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "
                                     "re-prefilling from there")
-                    kv.lost = "its stored KV mixed differently shifted windows"
-                    break
-                if off + n <= plan.start:  # wholly in the shared prefix
-                    chunks.append(source.info)
+                    kv.lost = stop = "its stored KV mixed differently shifted windows"
+                elif off + n > plan.end:
+                    info.warning = stop = f"session {kv.session_id!r}: the KV pool is full; loaded part of its KV"
+                if stop is not None or off + n <= plan.start:
+                    source.close()
+                    if stop is not None:
+                        break
+                    chunks.append(source.info)  # wholly in the shared prefix: not read
                     off += n
                     continue
-                if off + n > plan.end:
-                    info.warning = f"session {kv.session_id!r}: the KV pool is full; loaded part of its KV"
-                    break
                 skip = max(0, plan.start - off)
                 lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
                 info.bytes_read += source.info.bytes
-                if (plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT)
+                if (readers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT)
                         and source.shapes.get(KV_TENSOR) == (engine.pool.kv.dtype, (L, two, n, h, d))):
                     scratch = memoryview(bytearray(L * two * skip * row))  # the shared tokens' bytes
                     buffers = []
-                    for j, views in enumerate(plan.buffers):
+                    for j, views in enumerate(plan.buffers):  # type: ignore[union-attr]
                         buffers.append(scratch[j * skip * row: (j + 1) * skip * row])
                         buffers.extend(_cut(views, lo * row, hi * row))
-                    source.read_into({KV_TENSOR: buffers})
-                    fill = None
+                    done = readers.submit(source.read_into, {KV_TENSOR: buffers})
                 else:
                     tensors = source.read_into({})
                     settle()  # one fill in flight at a time
                     slots = plan.slots[lo:hi]
-                    fill = engine.scheduler.submit_job(
+                    done = engine.scheduler.submit_job(
                         lambda t=tensors, b=base, k=skip, sl=slots, m=n: self._fill(t, b, (L, two, m, h, d), k, sl),
                         "restore chunk")
-                read.append((fill, source.info, off + n, base == DENSE_FORMAT))  # packed KV is lossy
+                read.append((done, source.info, off + n, base == DENSE_FORMAT))  # packed KV is lossy
                 off += n
+                settle(keep=2 * RESTORE_READERS - 1)  # a few files open at a time
         except CorruptChunkError as exc:
             failure = exc
         finally:
@@ -470,7 +483,10 @@ class KVPersister:
                 settle()
             except CorruptChunkError as exc:
                 failure = failure or exc
-            engine.call(lambda: self._finish(kv, plan, exact_until, good), "finish restore")
+            finally:
+                if readers is not None:
+                    readers.shutdown(wait=True)
+                engine.call(lambda: self._finish(kv, plan, exact_until, good), "finish restore")
         if failure is not None:
             info.warning = f"session {kv.session_id!r}: {failure}; re-prefilling from that point"
             kv.lost = (f"stored KV chunk {failure.chunk_hash[:12]} is missing"
@@ -491,7 +507,9 @@ class KVPersister:
         return reason
 
     def _settle(self, pending: Future, chunk: ChunkInfo) -> None:
-        """Wait for a chunk's :meth:`_fill`; raise CorruptChunkError (quarantined) if it did not fit."""
+        """Wait for a chunk's read into its slots, or for its :meth:`_fill` (which
+        returns why its tensors did not fit, if they did not); raise
+        CorruptChunkError (the chunk quarantined) if it failed."""
         reason = pending.result()
         if reason:
             raise CorruptChunkError(chunk.hash, reason, self.store.quarantine_chunk(chunk.hash, reason))

@@ -501,6 +501,9 @@ class ChunkReader:
             os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:  # a reader dropped unread still gives its descriptor back
+        self.close()
+
     def __enter__(self) -> "ChunkReader":
         return self
 

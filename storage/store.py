@@ -1283,8 +1283,9 @@ class StoredKV:
     def __iter__(self) -> Iterator["ChunkSource"]:
         """Each chunk, opened; a chunk that fails its checks is quarantined and
         its :class:`CorruptChunkError` (or :class:`MissingChunkError`) raised,
-        the chunks before it remaining a valid prefix. The caller reads each
-        with :meth:`ChunkSource.read_into` before asking for the next."""
+        the chunks before it remaining a valid prefix. Each source yielded
+        holds its file open until it is read (:meth:`ChunkSource.read_into`,
+        from any thread) or closed: the caller does one or the other."""
         store = self.store
         off = 0
         for info in self.chunks:
@@ -1293,10 +1294,11 @@ class StoredKV:
                                          fingerprint=self.fingerprint)
             try:
                 store._check_chunk_tokens(info, reader.token_ids, self.token_ids[off: off + info.n_tokens])
-                off += info.n_tokens
-                yield ChunkSource(store, info, reader)
-            finally:
+            except BaseException:
                 reader.close()
+                raise
+            off += info.n_tokens
+            yield ChunkSource(store, info, reader)
 
 
 class ChunkSource:
@@ -1315,12 +1317,19 @@ class ChunkSource:
     def read_into(self, buffers: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
         """Read and verify the chunk's tensors, those named in ``buffers`` into
         those buffers (see :meth:`~.chunkfile.ChunkReader.read_into`); returns
-        the others, read into new memory.
+        the others, read into new memory. Closes the file.
 
         Raises:
             CorruptChunkError: after quarantining the chunk; the caller's
                 buffers then hold unverified bytes and must not be used.
             ValueError: ``buffers`` do not fit the chunk's tensors.
         """
-        with self._store._quarantined_on_failure(self.info):
-            return self._reader.read_into(buffers)
+        try:
+            with self._store._quarantined_on_failure(self.info):
+                return self._reader.read_into(buffers)
+        finally:
+            self._reader.close()
+
+    def close(self) -> None:
+        """Close the file without reading it (idempotent)."""
+        self._reader.close()
