@@ -527,7 +527,8 @@ class BlockPool:
 
         ``kv`` is ``[num_layers, 2, len(token_ids), kv_heads, head_dim]``; it is
         copied into the pool one slice per run of consecutive slots (usually
-        one: see :func:`slot_runs`) and the tokens count as computed. All-or-nothing like :meth:`prepare_write`.
+        one: see :func:`slot_runs`) and the tokens count as computed.
+        All-or-nothing like :meth:`prepare_write`.
         ``exact=False`` (KV from a lossy tier) marks ``seq`` inexact, so these
         blocks are never shared by hash.
         """
@@ -546,8 +547,9 @@ class BlockPool:
         and take slots for them (all-or-nothing, like :meth:`prepare_write`), for
         KV that arrives from elsewhere: the caller fills the slots (:meth:`fill`,
         or the buffers of :meth:`slot_buffers`), then commits what it filled
-        (:meth:`commit`) and truncates the rest away (:meth:`truncate`). Until then the blocks are
-        ``seq``'s alone (unhashed, so never shared or read by another sequence).
+        (:meth:`commit`) and truncates the rest away (:meth:`truncate`). Until
+        then the blocks are ``seq``'s alone (unhashed, so never shared or read
+        by another sequence).
 
         Returns:
             The slots, one per token.

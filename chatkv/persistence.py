@@ -10,9 +10,10 @@ is one file, and a new turn writes only the chunks it completed plus its tail.
 
 The pool belongs to the engine's loop, so both directions are split: a save
 takes a :class:`Snapshot` of the new tokens' KV on the loop (a copy, quick)
-and writes files in the caller's thread; a restore reads chunk files in the
-caller's thread and hands each chunk's KV to the loop to write into blocks,
-reading the next chunk meanwhile.
+and writes files in the caller's thread; a restore has the loop reserve slots
+for the KV, reads the chunk files straight into them off the loop (or, for a
+compact chunk, hands its tensors to the loop to dequantize into them), and has
+the loop commit what was read and verified.
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ class KVPersister:
     def restore(self, kv: "TieredKV", info: RestoreInfo, *, need_room: bool = False) -> SavedKV | None:
         """The one restore path: load the session's stored KV into its empty
         sequence, first whatever prefix the pool already holds (shared blocks),
-        then the rest chunk by chunk (read here, written by the loop while the
-        next chunk is read). The caller keeps ``kv`` pinned meanwhile.
+        then the rest from its chunk files (see :meth:`_load`). The caller
+        keeps ``kv`` pinned meanwhile.
 
         With ``need_room``, a restore that would not fit the pool even after
         demoting idle sessions is not started: None is returned and the KV stays
@@ -438,9 +439,9 @@ class KVPersister:
             for source in stored:
                 n = source.info.n_tokens
                 try:
-                    base, chunk_shift = parse_kv_format(source.kv_format)
+                    base, chunk_shift = parse_kv_format(source.info.kv_format)
                 except ValueError:
-                    base, chunk_shift = source.kv_format, ...
+                    base, chunk_shift = source.info.kv_format, ...
                 stop = None
                 if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
                     info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "

@@ -1312,7 +1312,6 @@ class ChunkSource:
         self.info = info
         self.token_ids: list[int] = reader.token_ids
         self.shapes = reader.shapes
-        self.kv_format = info.kv_format
 
     def read_into(self, buffers: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
         """Read and verify the chunk's tensors, those named in ``buffers`` into
