@@ -103,27 +103,32 @@ def payload_checksum(tensors: Mapping[str, torch.Tensor], algorithm: str | None 
     """Return (``<algorithm>:<hex>``, payload bytes) over tensors in name order
     (``algorithm`` is ``xxh3_128`` or ``sha256``; default :data:`CHECKSUM_ALGORITHM`).
     No side effects."""
+    return _digest(algorithm or CHECKSUM_ALGORITHM, {name: _entry(t) for name, t in tensors.items()})
+
+
+def _entry(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], list[Any]]:
+    """A tensor as :func:`_digest` takes it: dtype, shape and its bytes."""
     import torch
 
-    algorithm = algorithm or CHECKSUM_ALGORITHM
+    flat = t.detach().contiguous().reshape(-1)
+    return t.dtype, tuple(t.shape), [flat.view(torch.uint8).numpy().data] if flat.numel() else []
+
+
+def _digest(algorithm: str, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], Sequence[Any]]]
+            ) -> tuple[str, int]:
+    """The payload checksum over ``entries`` (name -> dtype, shape, its bytes as
+    buffers in order), in name order: each one's name, dtype and shape, then its
+    bytes. Returns (``<algorithm>:<hex>``, bytes). Raises ValueError for an
+    unknown algorithm."""
     h = _hasher(algorithm)
     total = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        flat = t.detach().contiguous().reshape(-1)
-        total += _feed(h, name, t.dtype, tuple(t.shape), [flat.view(torch.uint8).numpy().data] if flat.numel() else [])
+    for name in sorted(entries):
+        dtype, shape, buffers = entries[name]
+        h.update(f"{name}\0{str(dtype)}\0{shape}\n".encode())
+        for buf in buffers:
+            h.update(buf)
+            total += memoryview(buf).nbytes
     return f"{algorithm}:" + h.hexdigest(), total
-
-
-def _feed(h: Any, name: str, dtype: torch.dtype, shape: tuple[int, ...], buffers: Sequence[Any]) -> int:
-    """Feed one tensor's entry of the payload checksum to ``h``: its name, dtype
-    and shape, then its bytes (``buffers`` in order). Returns the bytes fed."""
-    h.update(f"{name}\0{str(dtype)}\0{shape}\n".encode())
-    total = 0
-    for buf in buffers:
-        h.update(buf)
-        total += memoryview(buf).nbytes
-    return total
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -421,11 +426,13 @@ def _checked_identity(md: Mapping[str, str], ids_t: torch.Tensor | None, expecte
     return token_ids, parent
 
 
-def _verify_checksum(md: Mapping[str, str], tensors: Mapping[str, torch.Tensor], expected_hash: ChunkHash) -> None:
-    """Raise :class:`CorruptChunkError` unless ``tensors`` match the file's payload checksum."""
+def _verify_checksum(md: Mapping[str, str], entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], Sequence[Any]]],
+                     expected_hash: ChunkHash) -> None:
+    """Raise :class:`CorruptChunkError` unless the tensors of ``entries`` (see
+    :func:`_digest`) match the file's payload checksum."""
     algorithm = (md.get("checksum") or "").partition(":")[0]
     try:
-        checksum, _ = payload_checksum(tensors, algorithm)
+        checksum, _ = _digest(algorithm, entries)
     except ValueError as e:
         raise CorruptChunkError(expected_hash, str(e)) from e
     if checksum != md.get("checksum"):
@@ -460,7 +467,8 @@ def read_chunk_file(
     ids_t = tensors.pop(TOKEN_IDS_KEY, None)
     token_ids, parent = _checked_identity(md, ids_t, expected_hash, fingerprint, verify)
     if verify:
-        _verify_checksum(md, {**tensors, TOKEN_IDS_KEY: ids_t}, expected_hash)
+        _verify_checksum(md, {name: _entry(t) for name, t in {**tensors, TOKEN_IDS_KEY: ids_t}.items()},
+                         expected_hash)
     return ChunkFile(expected_hash, parent, token_ids, tensors, md)
 
 
@@ -544,18 +552,9 @@ class ChunkReader:
             _preadv_all(self._fd, bufs, offset, self.hash)
             views[name] = bufs
         if verify:
-            algorithm = (self.metadata.get("checksum") or "").partition(":")[0]
-            try:
-                h = _hasher(algorithm)
-            except ValueError as e:
-                raise CorruptChunkError(self.hash, str(e)) from e
-            ids = self._ids
-            _feed(h, TOKEN_IDS_KEY, ids.dtype, tuple(ids.shape), [ids.view(torch.uint8).numpy().data])
-            for name in sorted(views):
-                dtype, shape = self.shapes[name]
-                _feed(h, name, dtype, shape, views[name])
-            if f"{algorithm}:" + h.hexdigest() != self.metadata.get("checksum"):
-                raise CorruptChunkError(self.hash, "payload checksum mismatch")
+            entries = {name: (*self.shapes[name], bufs) for name, bufs in views.items()}
+            entries[TOKEN_IDS_KEY] = _entry(self._ids)
+            _verify_checksum(self.metadata, entries, self.hash)
         return fresh
 
 
