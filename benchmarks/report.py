@@ -333,21 +333,19 @@ def restart_goals(r: Results) -> list[tuple[str, bool | None, str]]:
         out.append((goal, all(x <= limit for _, x in got) if got else None,
                     ", ".join(f"{x:.2f}x at {b}" for b, x in got) or "not measured"))
 
-    def over(peer: str) -> Callable[[str], float | None]:
-        x = r.speedup  # ratio = 1 / speed-up of RESTART over the peer
-        return lambda b: None if (sp := x(RESTART, peer, b)) is None else 1 / sp
+    def ratio(b: str, num: Callable[[dict[str, Any]], float | None], system: str,
+              den: Callable[[dict[str, Any]], float | None]) -> float | None:
+        """Median of ``num`` over the restart samples of bin ``b`` / median of ``den`` over ``system``'s."""
+        a, c = stats(r.values(RESTART, b, num)), stats(r.values(system, b, den))
+        return a[1] / c[1] if a and c and c[1] > 0 else None
 
+    ttft = lambda s: s["ttft_s"]  # noqa: E731
     per_bin("after a process restart: TTFT <= 0.8x transformers' hand-made resume, every length",
-            over(HF_RESUME), 0.8)
+            lambda b: ratio(b, ttft, HF_RESUME, ttft), 0.8)
     per_bin("after a process restart: TTFT <= transformers' DynamicCache kept in RAM, every length",
-            over(HF_HOT), 1.0)
-
-    def first_vs_next(b: str) -> float | None:
-        first = stats(r.values(RESTART, b, lambda s: s["ttft_s"]))
-        nxt = stats(r.values(RESTART, b, lambda s: s["extra"].get("next_ttft_s")))
-        return first[1] / nxt[1] if first and nxt and nxt[1] > 0 else None
-
-    per_bin("first turn of a fresh process <= 1.1x the next turn of the same shape", first_vs_next, 1.1)
+            lambda b: ratio(b, ttft, HF_HOT, ttft), 1.0)
+    per_bin("first turn of a fresh process <= 1.1x the next turn of the same shape",
+            lambda b: ratio(b, ttft, RESTART, lambda s: s["extra"].get("next_ttft_s")), 1.1)
     return out
 
 
