@@ -25,6 +25,7 @@ import torch
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
+from chatkv.compile import DecodeGraphs, parse_compile, should_compile
 from chatkv.config import (
     WARMUP_DECODE_STEPS,
     WARMUP_POOL_BYTES,
@@ -34,7 +35,7 @@ from chatkv.config import (
     TierConfig,
 )
 from chatkv.costs import CostModel, resolve_policy
-from chatkv.errors import ConfigError, ContextWindowExceededError
+from chatkv.errors import ConfigError, ContextWindowExceededError, EngineClosedError
 from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.runner import ModelRunner
@@ -126,16 +127,60 @@ class Engine:
         if self.config.warmup:
             self.warmed = self.scheduler.submit_job(self._warm_up, "warm-up")
             self.warmed.add_done_callback(_log_warm_up_failure)
+        #: The background compile of the decode step (``EngineConfig.compile``): its
+        #: result is how many batch sizes got a graph (0: none, and the log says why).
+        self.compiled: Future[int] = Future()
+        enabled, why = should_compile(parse_compile(self.config.compile), device)
+        if enabled:
+            threading.Thread(target=self._compile, name="chatkv-compile", daemon=True).start()
+        else:
+            log.debug("the decode step is not compiled: %s", why)
+            self.compiled.set_result(0)
 
     def wait_warm(self, timeout: float | None = None) -> int:
-        """Block until the background warm-up has finished, so that what follows is timed
-        without it; returns the tokens it ran (0 at once when warm-up is off).
+        """Block until the background warm-up and the decode step's compile have
+        finished, so that what follows is timed without them; returns the tokens
+        the warm-up ran (0 when warm-up is off).
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds.
-            Exception: whatever the warm-up raised.
+            Exception: whatever the warm-up raised (a failed compile is logged, not raised).
         """
-        return 0 if self.warmed is None else self.warmed.result(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        n = 0 if self.warmed is None else self.warmed.result(timeout=timeout)
+        self.compiled.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return n
+
+    def _compile(self) -> None:
+        """The compile thread: after the warm-up, compile the decode step
+        (:mod:`chatkv.compile`) away from the loop, then hand the graphs to the
+        runner with a loop job. Its OpenMP pool goes when it ends. A failure is
+        logged and the engine runs uncompiled; :attr:`compiled` always completes."""
+        n = 0
+        try:
+            if self.warmed is not None:
+                try:
+                    self.warmed.result()
+                except Exception:  # noqa: BLE001 - logged by _log_warm_up_failure; compile anyway
+                    pass
+            if self.scheduler.closed:
+                return
+            started = time.perf_counter()
+            graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
+            n = graphs.build(self.pool.kv, self.backend)
+
+            def install() -> None:
+                self.runner.decode_graphs = graphs
+
+            self.scheduler.submit_job(install, "install compiled decode").result()
+            log.info("decode step compiled for %d batch size(s) in %.1f s", n, time.perf_counter() - started)
+        except EngineClosedError:
+            n = 0
+        except Exception:  # noqa: BLE001 - the engine runs uncompiled; say why
+            log.warning("compiling the decode step failed; decode runs uncompiled", exc_info=True)
+            n = 0
+        finally:
+            self.compiled.set_result(n)
 
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template and the text bound

@@ -46,6 +46,11 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, through oneDNN with the packed weight when it is current."""
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile (chatkv.compile): one opaque operator, which
+            # finds the packed copy at run time (inductor cannot lower oneDNN's op
+            # on a weight packed outside its graph).
+            return _packed_linear_op(x, self.weight, self.bias)
         entry = _PACKED.get(self)
         if (entry is None or entry[0] != _weight_key(self.weight) or x.dtype != self.weight.dtype
                 or x.device.type != "cpu" or torch.is_grad_enabled()):
@@ -62,6 +67,23 @@ def _linear_pointwise(*args: Any) -> torch.Tensor:
 
 #: module -> (the weight it was packed from, the packed weight).
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], torch.Tensor]]" = weakref.WeakKeyDictionary()
+#: weight key -> the packed weight, for the compiled path (which sees weights, not modules).
+_BY_WEIGHT: "dict[tuple[int, int], torch.Tensor]" = {}
+
+
+@torch.library.custom_op("chatkv::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a compiled graph: through oneDNN with the
+    packed copy of ``weight`` when :func:`prepack` made one and it is current."""
+    packed = _BY_WEIGHT.get(_weight_key(weight))
+    if packed is None or packed.shape != weight.shape or x.dtype != weight.dtype or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _weight_key(w: torch.Tensor) -> tuple[int, int]:
@@ -121,7 +143,11 @@ def prepack(model: Any) -> int:
             key = _weight_key(m.weight)
             entry = _PACKED.get(m)
             if entry is None or entry[0] != key:
+                if entry is not None:
+                    _BY_WEIGHT.pop(entry[0], None)
                 _PACKED[m] = (key, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1))
+                _BY_WEIGHT[key] = _PACKED[m][1]
+                weakref.finalize(m, _BY_WEIGHT.pop, key, None)  # a freed weight's address is reused
             m.__class__ = PackedLinear
     return len(linears)
 
@@ -133,6 +159,8 @@ def unpack(model: Any) -> int:
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.__class__ = nn.Linear
-            _PACKED.pop(m, None)
+            entry = _PACKED.pop(m, None)
+            if entry is not None:
+                _BY_WEIGHT.pop(entry[0], None)
             n += 1
     return n

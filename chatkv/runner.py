@@ -16,6 +16,7 @@ import torch
 
 from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
+from chatkv.compile import DecodeGraphs
 from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
 from chatkv.prepack import prepack as prepack_linears
 from chatkv.sequence import Sequence
@@ -53,6 +54,10 @@ class ModelRunner:
         self.backend = backend
         self.costs = costs
         self.device = next(model.parameters()).device
+        #: Compiled decode steps (:mod:`chatkv.compile`), once the engine has built them.
+        self.decode_graphs: "DecodeGraphs | None" = None
+        #: Steps run through :attr:`decode_graphs` so far.
+        self.compiled_steps = 0
 
     def build_metadata(self, batch: list[StepInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Reserve slots for every new token and pack the step.
@@ -118,7 +123,8 @@ class ModelRunner:
         teacher forcing).
 
         On success each sequence's ``num_computed`` advances by its token count
-        and newly filled blocks are hashed for prefix sharing.
+        and newly filled blocks are hashed for prefix sharing. A decode step of
+        a batch size :attr:`decode_graphs` covers runs through that graph.
 
         Returns:
             ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
@@ -127,21 +133,29 @@ class ModelRunner:
         timed = self.costs is not None and sum(len(item.tokens) for item in batch) >= MIN_PREFILL_TOKENS
         started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)
-        if all_logits:
-            last = torch.arange(input_ids.shape[1], device=self.device)
+        graphs = self.decode_graphs
+        if graphs is not None and not all_logits and graphs.covers(meta):
+            # Every token is its sequence's last: the graph keeps all logits.
+            logits = graphs.run(meta, input_ids, position_ids)[0].float()
+            self.compiled_steps += 1
+            n_last = len(batch)
         else:
-            last = torch.tensor(
-                [int(c) - 1 for c in meta.cu_seqlens_q[1:].tolist()], dtype=torch.long, device=self.device
+            if all_logits:
+                last = torch.arange(input_ids.shape[1], device=self.device)
+            else:
+                last = torch.tensor(
+                    [int(c) - 1 for c in meta.cu_seqlens_q[1:].tolist()], dtype=torch.long, device=self.device
+                )
+            n_last = last.shape[0]
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=last,
+                chatkv_meta=meta,
             )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=last,
-            chatkv_meta=meta,
-        )
-        logits = out.logits[0].float()
-        assert logits.shape[0] == last.shape[0], (logits.shape, last.shape)
+            logits = out.logits[0].float()
+        assert logits.shape[0] == n_last, (logits.shape, n_last)
         for item in batch:
             self.pool.commit(item.seq, len(item.tokens))
         if timed:

@@ -546,6 +546,10 @@ class Repl:
               help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
                    "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
                    "re-prefill in another.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
+              envvar="CHATKV_COMPILE", show_envvar=True,
+              help="Compile the decode step with torch.compile, in the background after loading "
+                   "(about 1.2x faster decode). auto (default): on the CPU where a C++ compiler is present.")
 @click.option("--kv-quant", "kv_quant", default=None, metavar="SCHEME",
               help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4 (engine-wide).")
 @click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
@@ -574,7 +578,7 @@ class Repl:
               help="With --context-policy sink: tokens at the start always kept (rounded up to KV blocks).")
 @click.option("--plain", is_flag=True, help="Plain line input without line editing or history.")
 def repl(session_id: str | None, system: str | None, system_file: Path | None, model: str | None,
-         dtype: str | None, kv_quant: str | None, disk_format: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+         dtype: str | None, compile_mode: str | None, kv_quant: str | None, disk_format: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
          stop: tuple[str, ...], ignore_eos: bool, context_policy: str, sink_tokens: int, plain: bool) -> None:
     """Chat in the terminal, streaming replies; the session persists across restarts.
 
@@ -603,7 +607,8 @@ def repl(session_id: str | None, system: str | None, system_file: Path | None, m
         note(f"loading model {model or 'default'}…")
         chat = Chat(sid, system=system, model=model, store=store, kv_quant=kv_quant,
                     tiers=TierConfig(disk_format=disk_format) if disk_format != "exact" else None,
-                    engine_config=EngineConfig(dtype=dtype) if dtype else None, **options)
+                    engine_config=EngineConfig(dtype=dtype, compile=compile_mode) if dtype or compile_mode else None,
+                    **options)
         try:
             dtype_name = str(chat.engine.loaded.dtype).removeprefix("torch.")
             note(f"chatkv · session {sid} · model {chat.engine.loaded.name} ({dtype_name}) · "

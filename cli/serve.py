@@ -131,6 +131,10 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
               help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
                    "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
                    "re-prefill in another.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
+              envvar="CHATKV_COMPILE", show_envvar=True,
+              help="Compile the decode step with torch.compile, in the background after loading "
+                   "(about 1.2x faster decode). auto (default): on the CPU where a C++ compiler is present.")
 @click.option("--kv-quant", default=None, metavar="SCHEME",
               help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4.")
 @click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
@@ -162,7 +166,7 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="Server log level (debug adds an access log).")
 def serve(host: str, port: int, model: str | None, served_model_name: str | None, api_key: str | None,
-          api_key_file: Path | None, dtype: str | None, kv_quant: str | None, disk_format: str,
+          api_key_file: Path | None, dtype: str | None, compile_mode: str | None, kv_quant: str | None, disk_format: str,
           kv_budget: int | None, max_num_seqs: int, max_waiting: int, max_open_sessions: int, max_body_size: int, default_max_tokens: int | None,
           default_temperature: float, context_policy: str, drain_timeout: float, log_level: str) -> None:
     """Serve the model over OpenAI's chat-completions API; conversations persist.
@@ -217,7 +221,8 @@ def serve(host: str, port: int, model: str | None, served_model_name: str | None
         tiers = TierConfig(quant_scheme=kv_quant or "none", disk_format=disk_format) \
             if kv_quant or disk_format != "exact" else None
         engine = get_engine(model, EngineConfig(kv_budget_bytes=kv_budget, max_num_seqs=max_num_seqs,
-                                                max_waiting=max_waiting, tiers=tiers, dtype=dtype))
+                                                max_waiting=max_waiting, tiers=tiers, dtype=dtype,
+                                                compile=compile_mode))
         store = default_store()
         config = ServerConfig(model_name=served_model_name, aliases=tuple(a for a in (model,) if a),
                               max_body_bytes=max_body_size, max_open_sessions=max_open_sessions,

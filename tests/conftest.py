@@ -13,6 +13,9 @@ os.environ["CHATKV_CHECK_OWNER"] = "1"
 # "auto", is bfloat16 on CPUs with native bf16): the equivalence tests compare
 # with the stock model exactly. tests/test_dtype.py covers bfloat16 and "auto".
 os.environ.setdefault("CHATKV_DTYPE", "float32")
+# Decode steps run the model as it is unless a test asks for the compiled step
+# (compiling takes seconds per engine; tests/test_compile.py covers it).
+os.environ.setdefault("CHATKV_COMPILE", "off")
 # Sessions on disk are always read back, not recomputed, unless a test asks
 # (the "auto" choice depends on measured timings; tests/test_costs.py covers it).
 os.environ.setdefault("CHATKV_RESTORE_POLICY", "restore")

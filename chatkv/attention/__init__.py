@@ -4,11 +4,19 @@
 ``AttentionInterface`` and switches a model to it. Each forward call then
 receives the step's :class:`AttentionMetadata` as the ``chatkv_meta`` keyword
 argument; nothing is global.
+
+A model compiled with ``torch.compile`` (:mod:`chatkv.compile`) is called
+without that argument: its graph cannot carry a Python object that changes
+every step. There each layer's attention is one opaque operator,
+``chatkv::paged_attention``, which takes the step's metadata from
+:func:`step_metadata`, set by the thread that runs the step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -25,7 +33,54 @@ __all__ = [
     "attach",
     "get_backend",
     "paged_attention_forward",
+    "step_metadata",
 ]
+
+_STEP = threading.local()
+
+
+@contextmanager
+def step_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` the metadata that ``chatkv::paged_attention`` reads in this
+    thread until the block ends (for a compiled model, called without
+    ``chatkv_meta``). Blocks nest; each thread has its own."""
+    previous = getattr(_STEP, "meta", None)
+    _STEP.meta = meta
+    try:
+        yield
+    finally:
+        _STEP.meta = previous
+
+
+@torch.library.custom_op("chatkv::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
+    """One layer's paged attention as an operator ``torch.compile`` leaves opaque:
+    writes the step's keys and values into the pool and attends, with the
+    metadata of :func:`step_metadata` (``sliding_window`` 0: none). Returns
+    ``[1, T, q_heads, D]``."""
+    meta: AttentionMetadata | None = getattr(_STEP, "meta", None)
+    if meta is None:
+        raise RuntimeError("chatkv::paged_attention ran outside step_metadata(); "
+                           "run this model through chatkv's engine")
+    return _attend(meta, layer, query, key, value, scaling, sliding_window or None)
+
+
+@_paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+      layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def _attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Write one layer's new K/V into the pool, attend; ``[1, T, q_heads, D]``."""
+    assert query.shape[0] == 1, "chatkv packs sequences along the token axis (batch dim 1)"
+    k_cache, v_cache = meta.kv[layer, 0], meta.kv[layer, 1]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+    backend = meta.backend or TorchBackend()
+    return backend.forward(q, k_cache, v_cache, meta, scale, sliding_window).unsqueeze(0)
 
 
 def paged_attention_forward(
@@ -44,25 +99,23 @@ def paged_attention_forward(
     ``key``/``value`` ``[1, kv_heads, T, D]`` (rotary already applied, KV heads
     not repeated) for the packed batch; the mask transformers would build is
     ignored (``attention_mask`` is None for a registered function), causality
-    and windows come from the metadata.
+    and windows come from the metadata: the ``chatkv_meta`` keyword argument,
+    else (a compiled model) :func:`step_metadata`'s.
 
     Returns:
         ``([1, T, q_heads, D], None)`` as transformers expects.
     """
     meta: AttentionMetadata | None = kwargs.get("chatkv_meta")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
     if meta is None:
+        if torch.compiler.is_compiling() or getattr(_STEP, "meta", None) is not None:
+            out = _paged_attention_op(query, key, value, module.layer_idx, float(scale), int(window or 0))
+            return out, None
         raise RuntimeError(
             "chatkv attention was called without chatkv_meta; run this model through chatkv's engine"
         )
-    assert query.shape[0] == 1, "chatkv packs sequences along the token axis (batch dim 1)"
-    layer = module.layer_idx
-    k_cache, v_cache = meta.kv[layer, 0], meta.kv[layer, 1]
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    backend = meta.backend or TorchBackend()
-    out = backend.forward(q, k_cache, v_cache, meta, scale, kwargs.get("sliding_window"))
-    return out.unsqueeze(0), None
+    return _attend(meta, module.layer_idx, query, key, value, scale, window), None
 
 
 def attach(model: Any) -> None:

@@ -1,0 +1,134 @@
+"""The compiled decode step (chatkv.compile): same logits as the model run as it
+is, used only for the batch sizes it was built for, never a stall or a failure
+when compiling goes wrong."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from chatkv import Chat, EngineConfig
+from chatkv.compile import COMPILE_ENV, DecodeGraphs, parse_compile, unavailable
+from chatkv.engine import Engine
+from chatkv.errors import ConfigError
+from chatkv.models import load_model
+from chatkv.runner import StepInput
+from chatkv.sequence import Sequence
+
+needs_inductor = pytest.mark.skipif(unavailable(torch.device("cpu")) is not None,
+                                    reason=f"cannot compile here: {unavailable(torch.device('cpu'))}")
+
+
+def test_the_setting_is_parsed_and_a_bad_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_compile(True) is True and parse_compile("off") is False and parse_compile("ON") is True
+    monkeypatch.setenv(COMPILE_ENV, "no")
+    assert parse_compile(None) is False
+    monkeypatch.delenv(COMPILE_ENV)
+    assert parse_compile(None) == "auto"
+    with pytest.raises(ConfigError, match="compile must be"):
+        EngineConfig(compile="sometimes")
+    with pytest.raises(ConfigError, match="compile_batch_sizes"):
+        EngineConfig(compile_batch_sizes=(1, 0))
+
+
+def _decode_logits(engine: Engine, prompt: list[int], tokens: list[int], batch: int = 1) -> list[torch.Tensor]:
+    """Prefill ``batch`` copies of ``prompt``, then feed ``tokens`` one step at a
+    time to all of them (teacher forcing); each step's logits ``[batch, vocab]``."""
+    runner = engine.runner
+
+    def job() -> list[torch.Tensor]:
+        seqs = [Sequence(token_ids=list(prompt)) for _ in range(batch)]
+        try:
+            runner.forward([StepInput(s, s.token_ids[:]) for s in seqs])
+            out = []
+            for t in tokens:
+                for s in seqs:
+                    s.token_ids.append(t)
+                out.append(runner.forward([StepInput(s, s.token_ids[-1:]) for s in seqs]).clone())
+            return out
+        finally:
+            for s in seqs:
+                runner.pool.discard(s)
+
+    return engine.call(job)
+
+
+@needs_inductor
+def test_compiled_decode_steps_compute_what_the_model_does() -> None:
+    loaded = load_model("tiny:llama")
+    compiled = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile="on", compile_batch_sizes=(1,)))
+    assert compiled.wait_warm(timeout=600) > 0
+    assert compiled.compiled.result() == 1
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    tokens = [(5 * i) % 300 + 3 for i in range(12)]
+    before = compiled.runner.compiled_steps
+    got = _decode_logits(compiled, prompt, tokens)
+    assert compiled.runner.compiled_steps - before == len(tokens)  # every decode step ran compiled
+    two = _decode_logits(compiled, prompt, tokens, batch=2)  # no graph for 2 sequences: runs as it is
+    assert compiled.runner.compiled_steps - before == len(tokens)
+    compiled.close()
+
+    plain = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile="off"))
+    plain.wait_warm(timeout=600)
+    assert plain.compiled.result() == 0 and plain.runner.decode_graphs is None
+    want = _decode_logits(plain, prompt, tokens)
+    plain.close()
+    for step, (g, w, pair) in enumerate(zip(got, want, two)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(pair[0], w[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+@needs_inductor
+def test_a_chat_on_a_compiled_engine_replies_as_on_a_plain_one() -> None:
+    loaded = load_model("tiny:qwen2")  # a sliding window on one layer: the operator passes it on
+    replies = []
+    for mode in ("on", "off"):
+        engine = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile=mode))
+        engine.wait_warm(timeout=600)
+        chat = Chat("c", system="be brief", engine=engine, persist=False, max_new_tokens=40, ignore_eos=True)
+        chat.send("hello there, tell me a story about the lazy dog")
+        chat.send("and again, longer")
+        replies.append(chat.last_stats.token_ids)
+        assert (engine.runner.compiled_steps > 0) is (mode == "on")
+        chat.close()
+        engine.close()
+    assert replies[0] == replies[1]
+
+
+def test_a_failed_compile_is_logged_and_the_engine_runs_uncompiled(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self: DecodeGraphs, *args: object) -> int:
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(DecodeGraphs, "build", broken)
+    monkeypatch.setattr("chatkv.engine.should_compile", lambda setting, device: (True, "compiling"))
+    with caplog.at_level(logging.WARNING, logger="chatkv.engine"):
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on"))
+        engine.wait_warm(timeout=120)
+    assert engine.compiled.result() == 0 and engine.runner.decode_graphs is None
+    assert any("compiling the decode step failed" in r.message and r.exc_info for r in caplog.records)
+    chat = Chat("f", engine=engine, persist=False, max_new_tokens=4)
+    assert chat.send("hello") is not None and engine.runner.compiled_steps == 0
+    chat.close()
+    engine.close()
+
+
+@pytest.mark.smollm2
+@needs_inductor
+def test_smollm2_compiled_greedy_replies_match_stock_transformers(smollm2, smollm2_reference) -> None:
+    from test_smollm2 import SYSTEM, TURNS, stock_turn
+
+    engine = Engine(smollm2, EngineConfig(kv_budget_bytes=256 << 20, compile="on"))
+    assert engine.wait_warm(timeout=900) > 0 and engine.compiled.result() == 1
+    chat = Chat("smol-compiled", system=SYSTEM, engine=engine, persist=False, max_new_tokens=24)
+    for turn, text in enumerate(TURNS):
+        history = chat.messages + [{"role": "user", "content": text}]
+        want, _, _ = stock_turn(smollm2_reference, engine.tokenizer, history)
+        chat.send(text)
+        assert chat.last_stats.token_ids == want, f"turn {turn}"
+    assert engine.runner.compiled_steps >= 3 * 20
+    chat.close()
+    engine.close()
