@@ -574,6 +574,16 @@ class BlockPool:
         for at, slot, length in slot_runs(slots):
             flat[:, :, slot : slot + length].copy_(src[:, :, at : at + length])
 
+    def slot_views(self, slots: Seq[int]) -> list[tuple[int, torch.Tensor]]:
+        """Writable views of reserved ``slots`` (see :meth:`reserve`), one per run
+        of consecutive slots: ``(index in slots of the run's first, the run's
+        [num_layers, 2, length, kv_heads, head_dim] view into the pool)``, for a
+        writer that produces the KV in place (a compact chunk's dequantization)."""
+        self._check()
+        L, two, nb, bs, h, d = self.kv.shape
+        flat = self.kv.view(L, two, nb * bs, h, d)
+        return [(at, flat[:, :, slot : slot + length]) for at, slot, length in slot_runs(slots)]
+
     def slot_buffers(self, slots: Seq[int]) -> list[list[memoryview]] | None:
         """Writable byte views of reserved ``slots`` (see :meth:`reserve`), for
         a reader that fills them straight from a file: for each layer and each

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from chatkv.quant import QuantizedKV, check_scheme, dequantize, int4_group_size, quantize
+from chatkv.quant import (
+    ROWWISE_SCHEMES,
+    QuantizedKV,
+    check_scheme,
+    dequantize,
+    dequantize_rows_into,
+    int4_group_size,
+    quantize,
+)
 
 PACKED_TAG = "packed-"
 
@@ -65,13 +73,66 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
         ValueError: tensors missing or of the wrong layout for ``scheme`` and ``shape``.
     """
     L, two, n, h, d = shape
+    full, tail, parts = _parts(tensors, scheme, block_size, shape, dtype)
+    if not full:
+        return tail.to(dtype)
+    dense = [dequantize(q, dtype).reshape(L, full, h, d) for q in parts]
+    return torch.cat([torch.stack(dense, dim=1), tail.to(dtype)], dim=2)
+
+
+def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
+                shape: tuple[int, int, int, int, int], targets: list[tuple[int, torch.Tensor]]) -> bool:
+    """Write what :func:`unpack` would return straight into ``targets``: each
+    ``(first, out)`` receives tokens ``first .. first + out.shape[2] - 1`` of
+    the KV ``[L, 2, n, H, D]`` (``shape``), ``out`` being ``[L, 2, count, H, D]``
+    (a slice of the block pool, strided; on a device, the codes are moved
+    there and dequantized there). The same values bit for bit, with no dense
+    copy of the chunk in between. Returns False, writing nothing, for a
+    scheme whose parameters span a block's tokens (int4: use :func:`unpack`).
+
+    Raises:
+        ValueError: tensors missing or of the wrong layout for ``scheme`` and ``shape``.
+    """
+    if scheme not in ROWWISE_SCHEMES:
+        return False
+    L, two, n, h, d = shape
+    dtype = targets[0][1].dtype if targets else torch.float32
+    full, tail, parts = _parts(tensors, scheme, block_size, shape, dtype)
+    device = targets[0][1].device if targets else tail.device  # codes move, not the dense KV
+    tail = tail.to(device)
+    rows = [(q.data.reshape(L, full, h, d).to(device),
+             None if q.scale is None else q.scale.reshape(L, full, h).to(device)) for q in parts]
+    for first, out in targets:
+        last = first + out.shape[2]
+        assert 0 <= first and last <= n and out.shape[:2] == (L, two), (first, tuple(out.shape), shape)
+        if first < full:  # the quantized rows
+            upto = min(last, full)
+            for i, (data, scale) in enumerate(rows):
+                dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
+                                     out[:, i, : upto - first])
+        if last > full:  # the exact tail
+            lo = max(first, full)
+            out[:, :, lo - first:].copy_(tail[:, :, lo - full: last - full])
+    return True
+
+
+def _parts(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
+           shape: tuple[int, int, int, int, int], dtype: torch.dtype,
+           ) -> tuple[int, torch.Tensor, list[QuantizedKV]]:
+    """``(tokens in full blocks, the exact tail, [K, V] quantized)`` of a packed
+    chunk, its layout checked (no quantized parts when it has no full block).
+
+    Raises:
+        ValueError: tensors missing or of the wrong layout for ``scheme`` and ``shape``.
+    """
+    L, two, n, h, d = shape
     full = (n // block_size) * block_size
     tail = tensors.get("tail")
     if tail is None or tuple(tail.shape) != (L, two, n - full, h, d) or not tail.is_floating_point():
         raise ValueError(f"packed KV tail is {None if tail is None else (tail.dtype, tuple(tail.shape))}, "
                          f"not {(L, two, n - full, h, d)}")
     if not full:
-        return tail.to(dtype)
+        return 0, tail, []
     meta = {"quant_scheme": scheme, "quant_shape": f"{L * (full // block_size)},{block_size},{h},{d}",
             "quant_dtype": str(dtype).removeprefix("torch."),
             "quant_group": str(int4_group_size(d) if scheme == "int4" else 0)}
@@ -79,6 +140,5 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
     for kind in ("k", "v"):
         prefix = f"{kind}."
         mine = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-        q = QuantizedKV.from_tensors(mine, {**meta, "quant_kind": kind})
-        parts.append(dequantize(q, dtype).reshape(L, full, h, d))
-    return torch.cat([torch.stack(parts, dim=1), tail.to(dtype)], dim=2)
+        parts.append(QuantizedKV.from_tensors(mine, {**meta, "quant_kind": kind}))
+    return full, tail, parts

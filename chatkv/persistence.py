@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatkv.errors import OutOfBlocksError
-from chatkv.kvcodec import pack, packed_format, parse_packed, unpack
+from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
@@ -502,9 +502,17 @@ class KVPersister:
         """On the loop: write a chunk read into memory of its own (dequantizing a
         compact one) into its reserved ``slots``, past its first ``skip`` tokens.
         Returns "" or why the chunk's tensors do not fit its format."""
+        pool = self.engine.pool
+        try:
+            packed = parse_packed(base, KV_FORMAT_VERSION)
+            if packed is not None and unpack_into(tensors, packed[0], packed[1], shape,
+                                                  [(skip + at, view) for at, view in pool.slot_views(slots)]):
+                return ""  # dequantized straight into the slots
+        except ValueError as exc:
+            return f"packed KV: {exc}"
         tensor, reason = self._dense(tensors, base, shape)
         if tensor is not None:
-            self.engine.pool.fill(slots, tensor[:, :, skip:])
+            pool.fill(slots, tensor[:, :, skip:])
         return reason
 
     def _settle(self, pending: Future, chunk: ChunkInfo) -> None:

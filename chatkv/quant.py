@@ -386,6 +386,34 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype | None = None) -> Tensor:
     return out
 
 
+#: Schemes whose parameters are per token (or none): any range of a block's
+#: tokens dequantizes alone, straight into its destination (:func:`dequantize_rows_into`).
+ROWWISE_SCHEMES = ("bf16", "fp16", "int8", "fp8")
+
+
+def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: Tensor) -> None:
+    """Write the dequantized codes ``data`` (``[..., head_dim]``, with ``scale``
+    ``[...]`` per row, None for the cast schemes) into ``out``, a tensor of the
+    same shape in any float dtype, strided or not (a slice of the block pool):
+    the same values, bit for bit, as :func:`dequantize` then ``.to(out.dtype)``,
+    in one pass with no full-precision copy in between (int8: one fused
+    multiply). For the :data:`ROWWISE_SCHEMES`.
+
+    Raises:
+        ValueError: ``scheme`` is not row-wise.
+    """
+    if scheme in CAST_DTYPES:
+        out.copy_(data)
+    elif scheme == "int8":
+        assert scale is not None
+        torch.mul(data, scale.unsqueeze(-1), out=out)  # computed in float32, rounded once to out's dtype
+    elif scheme == "fp8":
+        assert scale is not None
+        torch.mul(data.float(), scale.unsqueeze(-1), out=out)  # float8 does not promote
+    else:
+        raise ValueError(f"{scheme!r} is not a row-wise scheme ({', '.join(ROWWISE_SCHEMES)})")
+
+
 def bytes_per_token(
     scheme: str,
     kv_heads: int,

@@ -8,7 +8,7 @@ import torch
 from chatkv import Chat, EngineConfig, TierConfig
 from chatkv.engine import Engine
 from chatkv.errors import ConfigError
-from chatkv.kvcodec import pack, packed_format, parse_packed, unpack
+from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION, load_model
 from chatkv.persistence import default_store
 from chatkv.quant import bytes_per_token
@@ -32,6 +32,26 @@ def test_pack_round_trip_keeps_the_partial_block_exact(scheme: str) -> None:
         unpack({k: v for k, v in tensors.items() if k != "v.data"}, scheme, 4, tuple(kv.shape), torch.float32)
     with pytest.raises(ValueError):
         unpack(tensors, scheme, 4, (3, 2, 24, 2, 8), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_unpacking_into_pool_slices_writes_what_unpack_returns(scheme: str, dtype: torch.dtype) -> None:
+    kv = (3 * torch.randn(3, 2, 37, 2, 16, generator=torch.Generator().manual_seed(2))).to(dtype)
+    tensors = pack(kv, scheme, 8)
+    want = unpack(tensors, scheme, 8, tuple(kv.shape), dtype)
+    pool = torch.full((3, 2, 60, 2, 16), float("nan"), dtype=dtype)
+    # Runs of slots out of order, cutting blocks and the quantized/exact boundary (32).
+    runs = [(0, slice(5, 15)), (10, slice(30, 50)), (30, slice(0, 5)), (35, slice(55, 57))]
+    wrote = unpack_into(tensors, scheme, 8, tuple(kv.shape), [(first, pool[:, :, s]) for first, s in runs])
+    assert wrote is (scheme != "int4")  # int4 keys share a range per block: unpack() it is
+    if wrote:
+        got = torch.cat([pool[:, :, s] for _, s in runs], dim=2)
+        assert torch.equal(got, want)  # bit for bit, NaN-free: every slot written
+        assert torch.isnan(pool[:, :, 15:30]).all() and torch.isnan(pool[:, :, 50:55]).all()  # nothing else
+        with pytest.raises(ValueError):
+            unpack_into({k: v for k, v in tensors.items() if k != "k.data"}, scheme, 8, tuple(kv.shape),
+                        [(0, pool[:, :, :37])])
 
 
 def test_formats_parse_and_are_checked() -> None:
