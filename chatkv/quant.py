@@ -409,7 +409,10 @@ def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: T
         torch.mul(data, scale.unsqueeze(-1), out=out)  # computed in float32, rounded once to out's dtype
     elif scheme == "fp8":
         assert scale is not None
-        torch.mul(data.float(), scale.unsqueeze(-1), out=out)  # float8 does not promote
+        # float8 does not promote: widen into out exactly (e4m3 fits every float
+        # dtype), then scale in place, computed in float32 and rounded once.
+        out.copy_(data)
+        out.mul_(scale.unsqueeze(-1))
     else:
         raise ValueError(f"{scheme!r} is not a row-wise scheme ({', '.join(ROWWISE_SCHEMES)})")
 
