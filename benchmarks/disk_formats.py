@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def engine(fmt: str) -> Engine:
         tiers = TierConfig(disk_format=fmt, fidelity_floors=floors)
         # One engine per open (a pool that never held the session: every restore reads the files);
-        # no warm-up, so that nothing queues before the restore on the loop.
+        # no warm-up and no compile, so that nothing queues before the restore on the
+        # loop or competes with it for the cores.
         return Engine(loaded, EngineConfig(kv_budget_bytes=budget, tiers=tiers, restore_policy="restore",
-                                           warmup=False))
+                                           warmup=False, compile=False))
 
     history = _history(loaded.tokenizer, args.tokens)
     budget = 4 * args.tokens * 46_080 * (1 if args.dtype == "float32" else 2) // 2 + (16 << 20)

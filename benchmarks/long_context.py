@@ -157,7 +157,7 @@ def run(model_spec: str | None, window: int, windows: float, max_chars: int, n_c
     reference.set_attn_implementation("sdpa")
     reference.eval()
     engines = {name: Engine(loaded, EngineConfig(max_context=window, block_size=block_size,
-                                                  kv_budget_bytes=256 << 20))
+                                                  kv_budget_bytes=256 << 20, compile=False))
                for name in ("chatkv trim", "chatkv sink")}
     chats = {name: Chat(f"long-{name.split()[-1]}", engine=engines[name], system=SYSTEM, persist=False,
                         context_policy=name.split()[-1]) for name in engines}

@@ -98,7 +98,7 @@ class ChatkvReplay:
         """
         self.loaded, self.home, self.model_spec, self.threads = loaded, home, model_spec, threads
         self.store = Store(home)
-        self.engine = Engine(loaded)
+        self.engine = Engine(loaded, EngineConfig(compile=False))  # builds histories: nothing compiles beside it
         self.chats: dict[int, Chat] = {}
         self.snapshots: list[str] = []
         self.bytes_written = 0

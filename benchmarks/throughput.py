@@ -46,14 +46,14 @@ def measure_throughput(engine: Any, points: list[Any], new_tokens: int,
     rows = []
     for n in sessions:
         prompts = [f"Session {i}: tell me a story about the quick brown fox, part {i}." for i in range(n)]
-        seq_engine = Engine(engine.loaded, EngineConfig(kv_budget_bytes=512 << 20))
+        seq_engine = Engine(engine.loaded, EngineConfig(kv_budget_bytes=512 << 20, compile=False))
         _run(seq_engine, "warmup", "warm up", 4)
         start = time.perf_counter()
         seq_tokens = sum(_run(seq_engine, f"seq-{i}", p, new_tokens)[0] for i, p in enumerate(prompts))
         seq_rate = seq_tokens / (time.perf_counter() - start)
         seq_engine.close()  # one loop thread (one OpenMP pool) at a time
 
-        con_engine = Engine(engine.loaded, EngineConfig(kv_budget_bytes=512 << 20))
+        con_engine = Engine(engine.loaded, EngineConfig(kv_budget_bytes=512 << 20, compile=False))
         _run(con_engine, "warmup", "warm up", 4)
         results: list[tuple[int, float | None]] = [(0, None)] * n
         barrier = threading.Barrier(n + 1)

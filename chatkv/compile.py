@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any, Callable
 
@@ -48,6 +49,10 @@ from chatkv.attention import AttentionBackend, AttentionMetadata, step_metadata
 from chatkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+#: One compile at a time in a process: Dynamo's tracing of one model from two
+#: threads at once fails (and each compile wants every core anyway).
+_COMPILE_LOCK = threading.Lock()
 
 COMPILE_ENV = "CHATKV_COMPILE"
 #: Accepted ``EngineConfig.compile`` / ``$CHATKV_COMPILE`` spellings and what they mean.
@@ -139,21 +144,23 @@ class DecodeGraphs:
 
     def build(self, pool_kv: torch.Tensor, backend: AttentionBackend) -> int:
         """Compile a graph per batch size (each traced and run once over a
-        scratch pool shaped like ``pool_kv``), in the calling thread; returns
-        how many are ready. Raises whatever compiling raises."""
+        scratch pool shaped like ``pool_kv``), in the calling thread, one
+        compile at a time in the process; returns how many are ready. Raises
+        whatever compiling raises."""
         fn = torch.compile(self.model, dynamic=False)
         ready = set()
-        for b in self.batch_sizes:
-            started = time.perf_counter()
-            # Inputs made in inference mode, as the runner's are (the graph's guards
-            # check their dispatch keys).
-            with torch.inference_mode():
-                meta = _scratch_metadata(pool_kv, b, backend)
-                ids = torch.zeros((1, b), dtype=torch.long, device=pool_kv.device)
-                with step_metadata(meta):
-                    fn(input_ids=ids, position_ids=ids.clone(), use_cache=False, logits_to_keep=0)
-            ready.add(b)
-            log.info("compiled the decode step for %d sequence(s) in %.1f s", b, time.perf_counter() - started)
+        with _COMPILE_LOCK:
+            for b in self.batch_sizes:
+                started = time.perf_counter()
+                # Inputs made in inference mode, as the runner's are (the graph's
+                # guards check their dispatch keys).
+                with torch.inference_mode():
+                    meta = _scratch_metadata(pool_kv, b, backend)
+                    ids = torch.zeros((1, b), dtype=torch.long, device=pool_kv.device)
+                    with step_metadata(meta):
+                        fn(input_ids=ids, position_ids=ids.clone(), use_cache=False, logits_to_keep=0)
+                ready.add(b)
+                log.info("compiled the decode step for %d sequence(s) in %.1f s", b, time.perf_counter() - started)
         self._fn = fn
         self.ready = frozenset(ready)
         return len(ready)
