@@ -48,6 +48,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+#: How often the compile thread looks again for a loop with no turn to start its compile.
+COMPILE_IDLE_POLL_S = 0.2
+
 
 def _default_budget(device: torch.device) -> int:
     if device.type == "cuda":
@@ -163,6 +166,11 @@ class Engine:
                     self.warmed.result()
                 except Exception:  # noqa: BLE001 - logged by _log_warm_up_failure; compile anyway
                     pass
+            # Dynamo holds the GIL for most of a compile, and a turn's steps beside
+            # it ran about 4x slower: start between turns (a turn that arrives
+            # during the compile still shares the process with it).
+            while not self.scheduler.closed and not self.call(self.scheduler.idle, "idle?"):
+                time.sleep(COMPILE_IDLE_POLL_S)
             if self.scheduler.closed:
                 return
             started = time.perf_counter()

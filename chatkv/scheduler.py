@@ -231,6 +231,12 @@ class Scheduler:
         thread.join(timeout)
         return not thread.is_alive()
 
+    def idle(self) -> bool:
+        """On the loop: True when no turn is queued, waiting or running."""
+        with self._mu:
+            incoming = bool(self._incoming)
+        return not (incoming or self._waiting or self._running)
+
     @property
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
