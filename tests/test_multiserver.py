@@ -126,7 +126,7 @@ class Server:
 def cluster_env(pg_cluster, pg_url: str, tmp_path: Path) -> dict[str, str]:
     """The environment every server shares: the index URL and the chunk directory."""
     # the conftest's pins travel (float32; always restore, so every turn's kv_source is checkable)
-    kept = ("CHATKV_MODEL_CACHE", "CHATKV_CHECK_OWNER", "CHATKV_DTYPE", "CHATKV_RESTORE_POLICY")
+    kept = ("CHATKV_MODEL_CACHE", "CHATKV_CHECK_OWNER", "CHATKV_DTYPE", "CHATKV_RESTORE_POLICY", "CHATKV_COMPILE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_") or k in kept}
     env.update(CHATKV_DB_URL=pg_url, CHATKV_KV_DIR=str(tmp_path / "shared-kv"))
     return env
