@@ -87,8 +87,8 @@ def unavailable(device: torch.device) -> str | None:
         from torch._inductor import config as inductor_config
 
         cxx = inductor_config.cpp.cxx
-        names = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c] or ["g++"]
-        if not any(shutil.which(c) for c in names) and not shutil.which("g++") and not shutil.which("clang++"):
+        names = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
+        if not any(shutil.which(c) for c in (*names, "g++", "clang++")):
             return "no C++ compiler found for Inductor's CPU code"
     return None
 
