@@ -48,6 +48,12 @@ def model_cache_dir() -> Path:
 WARMUP_PROMPT_TOKENS = 128
 #: One-token decode steps of the warm-up.
 WARMUP_DECODE_STEPS = 4
+#: The warm-up runs every linear layer's shape for steps of 1 to this many new
+#: tokens (a chat turn's typical delta), so a first prefill of such a length
+#: finds its oneDNN kernels built (:func:`chatkv.prepack.warm_row_counts`).
+WARMUP_LINEAR_ROWS = 128
+#: ... and the output projection for steps of up to this many sequences.
+WARMUP_HEAD_ROWS = 8
 #: Bytes of a host pool's first blocks the warm-up writes once, so that a first
 #: restore or prefill finds their pages committed (about a 5k-token SmolLM2
 #: session in bfloat16; see :meth:`chatkv.block_pool.BlockPool.commit_pages`).
@@ -92,7 +98,8 @@ class EngineConfig:
             exists, in the background, so that the first real turn does not
             pay for first-call costs (thread pool start, kernel selection and
             compilation, allocator growth, the chat template's compilation,
-            the first :data:`WARMUP_POOL_BYTES` of a host pool's pages).
+            the first :data:`WARMUP_POOL_BYTES` of a host pool's pages, the
+            oneDNN kernels of steps of up to :data:`WARMUP_LINEAR_ROWS` tokens).
             A turn asked for meanwhile starts once it is done.
         prepack: pack the weights of the model's linear layers once for
             oneDNN on the CPU (:mod:`chatkv.prepack`; about 1.2x faster decode

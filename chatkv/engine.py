@@ -28,6 +28,8 @@ from chatkv.block_pool import PoolStats
 from chatkv.compile import DecodeGraphs, parse_compile, should_compile
 from chatkv.config import (
     WARMUP_DECODE_STEPS,
+    WARMUP_HEAD_ROWS,
+    WARMUP_LINEAR_ROWS,
     WARMUP_POOL_BYTES,
     WARMUP_PROMPT_TOKENS,
     EngineConfig,
@@ -37,6 +39,7 @@ from chatkv.config import (
 from chatkv.costs import CostModel, resolve_policy
 from chatkv.errors import ConfigError, ContextWindowExceededError, EngineClosedError
 from chatkv.hardware import parse_dtype, resolve_dtype
+from chatkv.prepack import warm_row_counts
 from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.runner import ModelRunner
 from chatkv.scheduler import Scheduler
@@ -192,7 +195,8 @@ class Engine:
 
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template and the text bound
-        once, the pool's first pages, then a throwaway turn."""
+        once, the pool's first pages, a throwaway turn, then the packed
+        linears' kernels for short steps of every length."""
         from chatkv.models import max_token_chars
 
         started = time.perf_counter()
@@ -201,6 +205,8 @@ class Engine:
         self.pool.commit_pages(WARMUP_POOL_BYTES)
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
+        if self.runner.packed_linears:
+            warm_row_counts(self.runner.model, range(1, WARMUP_LINEAR_ROWS + 1), WARMUP_HEAD_ROWS)
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
         return n
 

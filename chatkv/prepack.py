@@ -152,6 +152,34 @@ def prepack(model: Any) -> int:
     return len(linears)
 
 
+def warm_row_counts(model: Any, rows: range, head_rows: int) -> int:
+    """Run each distinct packed linear shape of ``model`` (:func:`prepack`) once
+    for every input row count in ``rows`` (the output projection only up to
+    ``head_rows``: it sees one row per sequence of a step), on zeros; returns
+    the calls made.
+
+    oneDNN builds and caches a kernel for each input shape the first time it
+    sees one: about 2 ms per weight shape here, so a first prefill of a new
+    length paid about 8 ms for SmolLM2 before computing anything. The cache
+    holds 1024 kernels by default; warming more shapes than that evicts the
+    first ones again. Nothing is kept or changed but that cache.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    shapes: dict[tuple, PackedLinear] = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and _PACKED.get(m) is not None:
+            shapes.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is not None, m is head), m)
+    calls = 0
+    with torch.inference_mode():
+        for n in rows:
+            for (features, _, dtype, _, is_head), m in shapes.items():
+                if is_head and n > head_rows:
+                    continue
+                m(torch.zeros(1, n, features, dtype=dtype))
+                calls += 1
+    return calls
+
+
 def unpack(model: Any) -> int:
     """Turn every :class:`PackedLinear` of ``model`` back into a stock ``nn.Linear``
     (dropping the packed copies); returns how many."""

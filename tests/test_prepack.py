@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from chatkv.prepack import PackedLinear, _ops_available, prepack, unpack
+from chatkv.prepack import PackedLinear, _ops_available, prepack, unpack, warm_row_counts
 from chatkv.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(_ops_available() is not None, reason=f"no oneDNN packed linears: {_ops_available()}")
@@ -79,3 +79,18 @@ def test_an_engine_packs_its_model_unless_told_not_to():
     assert packed.runner.packed_linears > 0
     assert plain.runner.packed_linears == 0
     assert not any(type(m) is PackedLinear for m in plain.loaded.model.modules())
+
+
+def test_warming_row_counts_runs_each_linear_shape_once_per_count_and_changes_nothing():
+    model, _ = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    prepack(model)
+    want = _logits(model, ids)
+    head = model.get_output_embeddings()
+    shapes = {(m.in_features, m.out_features) for m in model.modules()
+              if isinstance(m, PackedLinear) and m is not head}
+    # every other shape for 1..5 rows, the output projection (a shape of its own here) for 1..2
+    assert (head.in_features, head.out_features) not in shapes
+    assert warm_row_counts(model, range(1, 6), head_rows=2) == 5 * len(shapes) + 2
+    torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
+    assert warm_row_counts(tiny_model("llama")[0], range(1, 6), head_rows=2) == 0  # nothing packed: nothing run
