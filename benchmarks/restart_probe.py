@@ -33,13 +33,13 @@ def main() -> int:
     from chatkv.hardware import resolve_dtype
     from chatkv.models import load_model
 
+    store = Store(req["home"])  # first, as the REPL and the server open theirs: it warms up while the model loads
     t0 = time.perf_counter()
     spec = req["model"]
     loaded = load_model(None if spec == "default" else spec, dtype=resolve_dtype(req.get("dtype")))
     model_load_s = time.perf_counter() - t0
     engine = Engine(loaded)
     engine.wait_warm()  # the warm-up belongs to loading, not to the timed turn
-    store = Store(req["home"])
     chat_at = time.time()
     ttft, decode, tokens, chat, parts = timed_turn(lambda: Chat(req["session"], engine=engine, store=store),
                                             req["user"], int(req["new_tokens"]))

@@ -118,6 +118,8 @@ class Chat:
         self.sink = SinkPolicy(sink_tokens, sink_window)
         if system is not None and not isinstance(system, str):
             raise InvalidMessageError("the system prompt must be a string")
+        # The store first: a new one warms up its statements while a model loads.
+        store = (store or default_store()) if persist else None
         self.engine = engine_for(model, engine, engine_config, tiers, kv_quant)
         if context_policy == "sink":
             rope_shift(self.engine)  # ConfigError for a model whose positions cannot be shifted
@@ -127,7 +129,7 @@ class Chat:
         self.last_stats: TurnStats | None = None
         self._closed = False
         self._session: Session = self.engine.sessions.open(
-            self.session_id, store=(store or default_store()) if persist else None, chunk_tokens=chunk_tokens,
+            self.session_id, store=store, chunk_tokens=chunk_tokens,
             lease_timeout_s=lease_timeout_s, system=system)
         if pin is not None or ttl is not None:
             self._session.set_retention(pin, ... if ttl is None else ttl)

@@ -217,13 +217,13 @@ def serve(host: str, port: int, model: str | None, served_model_name: str | None
         from chatkv.persistence import default_store
         from chatkv.server import ServerConfig, create_app
 
+        store = default_store()  # first: it warms up its statements while the model loads
         click.echo(f"chatkv serve: loading model {model or 'default'}…", err=True)
         tiers = TierConfig(quant_scheme=kv_quant or "none", disk_format=disk_format) \
             if kv_quant or disk_format != "exact" else None
         engine = get_engine(model, EngineConfig(kv_budget_bytes=kv_budget, max_num_seqs=max_num_seqs,
                                                 max_waiting=max_waiting, tiers=tiers, dtype=dtype,
                                                 compile=compile_mode))
-        store = default_store()
         config = ServerConfig(model_name=served_model_name, aliases=tuple(a for a in (model,) if a),
                               max_body_bytes=max_body_size, max_open_sessions=max_open_sessions,
                               default_max_tokens=default_max_tokens, default_temperature=default_temperature,

@@ -262,14 +262,21 @@ def try_acquire(s: Session, session_id: str, owner: str, ttl_s: float,
         why = "it expired" if h.expires_at <= now else "its process is gone"
         log.warning("lease on session %r taken over from %s (%s)", session_id, h.owner, why)
     gen = h.generation + 1
+    if take_row(s, session_id, h, owner, gen, now, expires) != 1:
+        return None, None
+    return gen, None
+
+
+def take_row(s: Session, session_id: str, h: Holder, owner: str, gen: int, now: datetime,
+             expires: datetime) -> int:
+    """Give the lease row on ``session_id`` to ``owner`` with generation ``gen``,
+    if it still has ``h``'s owner and generation; returns the rows changed (0 or 1)."""
     res = s.execute(update(LeaseRow)
                     .where(LeaseRow.session_id == session_id, LeaseRow.owner == h.owner,
                            LeaseRow.generation == h.generation)
                     .values(owner=owner, generation=gen, acquired_at=now, renewed_at=now, expires_at=expires)
                     .execution_options(synchronize_session=False))
-    if res.rowcount != 1:
-        return None, None
-    return gen, None
+    return int(res.rowcount)
 
 
 def _lost_error(s: Session, lease: "Lease") -> LeaseLostError:

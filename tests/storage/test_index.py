@@ -265,3 +265,42 @@ def test_byte_counts_past_2_gib_fit_and_v7_widens_an_older_postgresql_index(
             con.execute(text("UPDATE chatkv_chunks SET bytes = :b"), {"b": big})
         assert st.get_session("s").kv_bytes == big and st.kv_chunks("s")[0].bytes == big
         assert st.disk_usage().indexed_bytes == big * len(st.kv_chunks("s"))
+
+
+def test_warm_up_compiles_what_reopening_a_session_runs_and_changes_nothing(home: Path) -> None:
+    from sqlalchemy import event
+    from sqlalchemy.engine.default import CACHE_MISS
+
+    from chatkv.storage.store import WARM_UP_SESSION_ID
+
+    ids = list(range(70))
+    with Store(home, warm=False) as first:
+        first.acquire_lease("s")
+        first.open_session("s", fingerprint=FP)
+        first.append_message("s", "user", "hi")
+        first.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+        first.open_session(WARM_UP_SESSION_ID, fingerprint=FP)  # a session may have the id
+        before = first.get_session(WARM_UP_SESSION_ID)
+    store = Store(home, warm=False)
+    try:
+        store.warm_up()
+        misses: list[str] = []
+
+        def listen(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+            if context is not None and context.cache_hit is CACHE_MISS:
+                misses.append(statement)
+
+        event.listen(store.engine, "before_cursor_execute", listen)
+        try:  # what Chat() and its restore run on a stored session: the lease, the open, the history, the KV
+            store.acquire_lease("s")
+            store.open_session("s", fingerprint=FP)
+            assert [m.content for m in store.messages("s")] == ["hi"]
+            assert store.get_session("s").n_cached == 70
+            assert store.open_kv("s", fingerprint=FP).token_ids == ids
+        finally:
+            event.remove(store.engine, "before_cursor_execute", listen)
+        assert misses == []  # every statement was compiled by the warm-up
+        assert store.get_session(WARM_UP_SESSION_ID) == before  # its rolled-back updates left nothing
+        assert store.lease_holder(WARM_UP_SESSION_ID) is None
+    finally:
+        store.close()
