@@ -40,8 +40,9 @@ def dense_attention(q, k, v, scale, window=None):
 def test_reference_matches_dense_attention_for_ragged_batch(block_size, window):
     torch.manual_seed(0)
     hq, hkv, d = 6, 2, 8
-    seq_lens, query_lens = [7, 13, 1, 20], [7, 1, 1, 5]
-    num_blocks = 64
+    # Short prefills attend grouped (GROUPED_QUERY_MAX), the 40-token one as SDPA's GQA.
+    seq_lens, query_lens = [7, 13, 1, 20, 45, 26], [7, 1, 1, 5, 40, 5]
+    num_blocks = 128
     k_cache = torch.randn(num_blocks, block_size, hkv, d)
     v_cache = torch.randn(num_blocks, block_size, hkv, d)
     perm = torch.randperm(num_blocks).tolist()  # blocks scattered through the pool
@@ -53,7 +54,8 @@ def test_reference_matches_dense_attention_for_ragged_batch(block_size, window):
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(sum(query_lens), hq, d)
-    out = paged_attention_reference(q, k_cache, v_cache, table, seq_lens, query_lens, d ** -0.5, window)
+    out = paged_attention_reference(q, k_cache, v_cache, table, seq_lens, query_lens, d ** -0.5, window,
+                                    masks={})  # the masks shared between sequences as between layers
     start = 0
     for i, (n, ql) in enumerate(zip(seq_lens, query_lens)):
         k = k_cache[tables[i]].reshape(-1, hkv, d)[:n]
