@@ -39,6 +39,7 @@ from chatkv.config import (
 from chatkv.costs import CostModel, resolve_policy
 from chatkv.errors import ConfigError, ContextWindowExceededError, EngineClosedError
 from chatkv.hardware import parse_dtype, resolve_dtype
+from chatkv.persistence import start_restore_readers
 from chatkv.prepack import warm_row_counts
 from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.runner import ModelRunner
@@ -195,14 +196,15 @@ class Engine:
 
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template and the text bound
-        once, the pool's first pages, a throwaway turn, then the packed
-        linears' kernels for short steps of every length."""
+        once, the pool's first pages, the restore reader threads, a throwaway
+        turn, then the packed linears' kernels for short steps of every length."""
         from chatkv.models import max_token_chars
 
         started = time.perf_counter()
         self.encode_chat([{"role": "system", "content": "warm-up"}, {"role": "user", "content": "hello"}])
         max_token_chars(self.tokenizer)
         self.pool.commit_pages(WARMUP_POOL_BYTES)
+        start_restore_readers()
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
         if self.runner.packed_linears:

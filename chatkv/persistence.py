@@ -19,9 +19,11 @@ the loop commit what was read and verified.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +59,35 @@ KV_TENSOR = "kv"
 #: Threads reading a restore's chunks into the pool at once: each reads a file
 #: into its slots and checks its checksum there (both release the GIL).
 RESTORE_READERS = 2
+_READERS: ThreadPoolExecutor | None = None
+_READERS_LOCK = threading.Lock()
+
+
+def _restore_readers() -> ThreadPoolExecutor:
+    """The process's restore reader threads (:data:`RESTORE_READERS`), started on
+    first use and kept: starting two threads for every restore cost it 2 to 4 ms."""
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(RESTORE_READERS, thread_name_prefix="chatkv-restore-read")
+        return _READERS
+
+
+def start_restore_readers() -> None:
+    """Start the process's restore reader threads now, if they are not running
+    (the engine's warm-up does), so that a first restore does not start them."""
+    readers = _restore_readers()
+    meet = threading.Barrier(RESTORE_READERS, timeout=10)  # every reader at once: each a thread of its own
+    wait_all([readers.submit(meet.wait) for _ in range(RESTORE_READERS)])
+
+
+def _forget_readers() -> None:  # a forked child has none of its parent's threads
+    global _READERS
+    _READERS = None
+
+
+os.register_at_fork(after_in_child=_forget_readers)
+
 #: Tokens of imported KV recomputed to check it against the model.
 PROBE_TOKENS = 16
 #: Error allowed, relative to the largest magnitude, when probing imported compact KV, per scheme.
@@ -433,8 +464,8 @@ class KVPersister:
 
         off = 0
         failure: CorruptChunkError | None = None
-        readers = ThreadPoolExecutor(RESTORE_READERS, thread_name_prefix="chatkv-restore-read") \
-            if plan.buffers is not None else None
+        readers = _restore_readers() if plan.buffers is not None else None
+        submitted: list[Future] = []  # all waited for before the restore ends, whatever happens
         try:
             for source in stored:
                 n = source.info.n_tokens
@@ -467,6 +498,7 @@ class KVPersister:
                         buffers.append(scratch[j * skip * row: (j + 1) * skip * row])
                         buffers.extend(_cut(views, lo * row, hi * row))
                     done = readers.submit(source.read_into, {KV_TENSOR: buffers})
+                    submitted.append(done)
                 else:
                     tensors = source.read_into({})
                     settle()  # one fill in flight at a time
@@ -485,8 +517,7 @@ class KVPersister:
             except CorruptChunkError as exc:
                 failure = failure or exc
             finally:
-                if readers is not None:
-                    readers.shutdown(wait=True)
+                wait_all(submitted)  # no reader still writes into slots _finish may give back
                 engine.call(lambda: self._finish(kv, plan, exact_until, good), "finish restore")
         if failure is not None:
             info.warning = f"session {kv.session_id!r}: {failure}; re-prefilling from that point"

@@ -36,3 +36,20 @@ def test_a_small_pool_warms_up_with_what_it_has() -> None:
     engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=3, block_size=4))
     assert 0 < engine.warmed.result(timeout=120) <= 12  # type: ignore[union-attr]
     assert engine.pool_stats().free_blocks == 3
+
+
+def test_warm_up_starts_the_restore_readers_once_per_process() -> None:
+    import threading
+
+    from chatkv.persistence import RESTORE_READERS
+
+    def readers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("chatkv-restore-read")}
+
+    for _ in range(2):  # a second engine finds them running and starts no more
+        engine = Engine(load_model("tiny:llama"))
+        try:
+            engine.wait_warm()
+            assert len(readers()) == RESTORE_READERS
+        finally:
+            engine.close()
