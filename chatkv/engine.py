@@ -39,9 +39,9 @@ from chatkv.config import (
 from chatkv.costs import CostModel, resolve_policy
 from chatkv.errors import ConfigError, ContextWindowExceededError, EngineClosedError
 from chatkv.hardware import parse_dtype, resolve_dtype
+from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.persistence import start_restore_readers
 from chatkv.prepack import warm_row_counts
-from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.runner import ModelRunner
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence

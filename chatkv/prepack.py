@@ -156,7 +156,8 @@ def warm_row_counts(model: Any, rows: range, head_rows: int) -> int:
     """Run each distinct packed linear shape of ``model`` (:func:`prepack`) once
     for every input row count in ``rows`` (the output projection only up to
     ``head_rows``: it sees one row per sequence of a step), on zeros; returns
-    the calls made.
+    the calls made. A shape and row count already run by this function in
+    this process is not run again (oneDNN's cache is the process's).
 
     oneDNN builds and caches a kernel for each input shape the first time it
     sees one: about 2 ms per weight shape here, so a first prefill of a new
@@ -172,12 +173,18 @@ def warm_row_counts(model: Any, rows: range, head_rows: int) -> int:
     calls = 0
     with torch.inference_mode():
         for n in rows:
-            for (features, _, dtype, _, is_head), m in shapes.items():
-                if is_head and n > head_rows:
+            for key, m in shapes.items():
+                features, _, dtype, _, is_head = key
+                if (is_head and n > head_rows) or (key, n) in _WARMED:
                     continue
                 m(torch.zeros(1, n, features, dtype=dtype))
+                _WARMED.add((key, n))
                 calls += 1
     return calls
+
+
+#: (linear shape, row count) pairs :func:`warm_row_counts` has run in this process.
+_WARMED: set[tuple] = set()
 
 
 def unpack(model: Any) -> int:

@@ -217,9 +217,9 @@ class Store(StoreUpkeep):
             when the home (or its index file) exists but is not writable, so
             ``sessions ls`` and ``show`` work on a read-only home. Every write
             then fails with :class:`StorageWriteError`.
-        warm: run the statements that opening and restoring a session read
-            with once, in a background thread, so that the first ``Chat()``
-            finds them compiled (:meth:`warm_up`). Not for a read-only Store.
+        warm: run the statements of a session's reopen and restore once, in
+            a background thread, so that the first ``Chat()`` finds them
+            compiled (:meth:`warm_up`). Not for a read-only Store.
 
     Side effects (unless read-only): creates the home, the index tables, runs
     pending schema migrations, takes this Store's owner lock
@@ -311,8 +311,8 @@ class Store(StoreUpkeep):
     def warm_up(self) -> None:
         """Run, once, the index statements that opening a session and restoring
         its KV make (reading the session row, its facts, its messages, its
-        chunk list, its lease; updating its last use and its lease row), for an
-        id no session uses, and roll the transaction back.
+        chunk list, its lease; updating its last use and its lease row), for
+        the id :data:`WARM_UP_SESSION_ID`, and roll the transaction back.
         SQLAlchemy compiles each statement the first time it runs and caches
         it: a first ``Chat()`` of a process spent about 10 ms of its 15 ms on
         those compiles here. Changes nothing in the index.
@@ -340,7 +340,7 @@ class Store(StoreUpkeep):
                 leases.take_row(s, sid, leases.Holder("", -1, now), self.owner, 0, now, now)
                 s.rollback()
         except SQLAlchemyError as e:
-            raise StorageError(f"index read failed: {e}") from e
+            raise StorageError(f"index warm-up failed: {e}") from e
 
     def _warm_in_background(self) -> None:
         try:
