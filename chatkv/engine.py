@@ -207,8 +207,7 @@ class Engine:
         start_restore_readers()
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
-        if self.runner.packed_linears:
-            warm_row_counts(self.runner.model, range(1, WARMUP_LINEAR_ROWS + 1), WARMUP_HEAD_ROWS)
+        warm_row_counts(self.runner.model, range(1, WARMUP_LINEAR_ROWS + 1), WARMUP_HEAD_ROWS)
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
         return n
 

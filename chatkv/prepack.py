@@ -69,6 +69,8 @@ def _linear_pointwise(*args: Any) -> torch.Tensor:
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], torch.Tensor]]" = weakref.WeakKeyDictionary()
 #: weight key -> the packed weight, for the compiled path (which sees weights, not modules).
 _BY_WEIGHT: "dict[tuple[int, int], torch.Tensor]" = {}
+#: (linear shape, row count) pairs :func:`warm_row_counts` has run in this process.
+_WARMED: set[tuple] = set()
 
 
 @torch.library.custom_op("chatkv::packed_linear", mutates_args=())
@@ -181,10 +183,6 @@ def warm_row_counts(model: Any, rows: range, head_rows: int) -> int:
                 _WARMED.add((key, n))
                 calls += 1
     return calls
-
-
-#: (linear shape, row count) pairs :func:`warm_row_counts` has run in this process.
-_WARMED: set[tuple] = set()
 
 
 def unpack(model: Any) -> int:
