@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 
 #: How often the compile thread looks again for a loop with no turn to start its compile.
 COMPILE_IDLE_POLL_S = 0.2
+#: Compiles tried before decode stays uncompiled. A compile fails now and then
+#: when the model runs eagerly beside it (a turn that arrived meanwhile):
+#: building its guards races with the eager forward in transformers' wrappers
+#: (seen with transformers 5.25 and torch 2.13). Such a failure is tried again
+#: when the loop is next idle; one with no forward beside it is not.
+COMPILE_ATTEMPTS = 3
 
 
 def _default_budget(device: torch.device) -> int:
@@ -161,8 +167,10 @@ class Engine:
     def _compile(self) -> None:
         """The compile thread: after the warm-up, compile the decode step
         (:mod:`chatkv.compile`) away from the loop, then hand the graphs to the
-        runner with a loop job. Its OpenMP pool goes when it ends. A failure is
-        logged and the engine runs uncompiled; :attr:`compiled` always completes."""
+        runner with a loop job. Its OpenMP pool goes when it ends. A failure
+        while the model ran beside it is tried again (:data:`COMPILE_ATTEMPTS`);
+        a last failure is logged and the engine runs uncompiled. :attr:`compiled`
+        always completes."""
         n = 0
         try:
             if self.warmed is not None:
@@ -170,22 +178,33 @@ class Engine:
                     self.warmed.result()
                 except Exception:  # noqa: BLE001 - logged by _log_warm_up_failure; compile anyway
                     pass
-            # Dynamo holds the GIL for most of a compile, and a turn's steps beside
-            # it ran about 4x slower: start between turns (a turn that arrives
-            # during the compile still shares the process with it).
-            while not self.scheduler.closed and not self.call(self.scheduler.idle, "idle?"):
-                time.sleep(COMPILE_IDLE_POLL_S)
-            if self.scheduler.closed:
+            for attempt in range(1, COMPILE_ATTEMPTS + 1):
+                # Dynamo holds the GIL for most of a compile, and a turn's steps beside
+                # it ran about 4x slower: start between turns (a turn that arrives
+                # during the compile still shares the process with it).
+                while not self.scheduler.closed and not self.call(self.scheduler.idle, "idle?"):
+                    time.sleep(COMPILE_IDLE_POLL_S)
+                if self.scheduler.closed:
+                    return
+                started = time.perf_counter()
+                forwards = self.runner.forward_calls
+                try:
+                    graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
+                    n = graphs.build(self.pool.kv, self.backend)
+                except Exception:
+                    if self.runner.forward_calls == forwards or attempt == COMPILE_ATTEMPTS:
+                        raise
+                    log.warning("compiling the decode step failed while the model ran beside it (attempt %d "
+                                "of %d); trying again when the engine is idle", attempt, COMPILE_ATTEMPTS,
+                                exc_info=True)
+                    continue
+
+                def install() -> None:
+                    self.runner.decode_graphs = graphs
+
+                self.scheduler.submit_job(install, "install compiled decode").result()
+                log.info("decode step compiled for %d batch size(s) in %.1f s", n, time.perf_counter() - started)
                 return
-            started = time.perf_counter()
-            graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
-            n = graphs.build(self.pool.kv, self.backend)
-
-            def install() -> None:
-                self.runner.decode_graphs = graphs
-
-            self.scheduler.submit_job(install, "install compiled decode").result()
-            log.info("decode step compiled for %d batch size(s) in %.1f s", n, time.perf_counter() - started)
         except EngineClosedError:
             n = 0
         except Exception:  # noqa: BLE001 - the engine runs uncompiled; say why

@@ -58,6 +58,8 @@ class ModelRunner:
         self.decode_graphs: "DecodeGraphs | None" = None
         #: Steps run through :attr:`decode_graphs` so far.
         self.compiled_steps = 0
+        #: Calls of :meth:`forward` so far (compiled or not).
+        self.forward_calls = 0
 
     def build_metadata(self, batch: list[StepInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Reserve slots for every new token and pack the step.
@@ -130,6 +132,7 @@ class ModelRunner:
             ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
             with ``all_logits``.
         """
+        self.forward_calls += 1
         timed = self.costs is not None and sum(len(item.tokens) for item in batch) >= MIN_PREFILL_TOKENS
         started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)

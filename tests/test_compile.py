@@ -116,6 +116,52 @@ def test_a_failed_compile_is_logged_and_the_engine_runs_uncompiled(
     engine.close()
 
 
+@needs_inductor
+def test_a_compile_that_fails_while_a_turn_runs_beside_it_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Building the graph's guards races with an eager forward in another thread
+    # (transformers' kernel wrappers): the first attempt runs a real forward on
+    # the loop meanwhile and fails; the engine compiles again once idle.
+    real = DecodeGraphs.build
+    attempts: list[int] = []
+
+    def racing(self: DecodeGraphs, pool_kv: torch.Tensor, backend: object) -> int:
+        attempts.append(engine.runner.forward_calls)
+        if len(attempts) == 1:
+            assert Chat("beside", engine=engine, persist=False, max_new_tokens=3).send("hi") is not None
+            raise AssertionError("Guard failed on the same frame it was created")
+        return real(self, pool_kv, backend)
+
+    monkeypatch.setattr(DecodeGraphs, "build", racing)
+    with caplog.at_level(logging.WARNING, logger="chatkv.engine"):
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on",
+                                                               compile_batch_sizes=(1,)))
+        assert engine.compiled.result(timeout=600) == 1
+    assert len(attempts) == 2 and engine.runner.decode_graphs is not None
+    assert any("attempt 1 of 3" in r.message for r in caplog.records)
+    chat = Chat("after", engine=engine, persist=False, max_new_tokens=6, ignore_eos=True)
+    before = engine.runner.compiled_steps
+    chat.send("hello")
+    assert engine.runner.compiled_steps - before >= 5
+    chat.close()
+    engine.close()
+
+
+def test_a_compile_that_fails_with_nothing_beside_it_is_not_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def broken(self: DecodeGraphs, *args: object) -> int:
+        calls.append(1)
+        raise RuntimeError("this model does not compile")
+
+    monkeypatch.setattr(DecodeGraphs, "build", broken)
+    monkeypatch.setattr("chatkv.engine.should_compile", lambda setting, device: (True, "compiling"))
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on"))
+    assert engine.compiled.result(timeout=120) == 0 and calls == [1]
+    engine.close()
+
+
 @pytest.mark.smollm2
 @needs_inductor
 def test_smollm2_compiled_greedy_replies_match_stock_transformers(smollm2, smollm2_reference) -> None:
