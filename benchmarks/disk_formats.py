@@ -56,7 +56,6 @@ def _history(tokenizer: Any, target: int) -> list[dict]:
         if best_len >= 0.8 * target:
             break
     return best
-    return best
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
