@@ -41,6 +41,7 @@ from chatkv.storage import (
     MissingChunkError,
     NewChunk,
     SaveResult,
+    SessionInfo,
     Store,
     StoredKV,
     default_db_url,
@@ -242,7 +243,8 @@ class KVPersister:
 
     # -- restore -----------------------------------------------------------------------
 
-    def restore(self, kv: "TieredKV", info: RestoreInfo, *, need_room: bool = False) -> SavedKV | None:
+    def restore(self, kv: "TieredKV", info: RestoreInfo, *, need_room: bool = False,
+                session: SessionInfo | None = None) -> SavedKV | None:
         """The one restore path: load the session's stored KV into its empty
         sequence, first whatever prefix the pool already holds (shared blocks),
         then the rest from its chunk files (see :meth:`_load`). The caller
@@ -250,7 +252,9 @@ class KVPersister:
 
         With ``need_room``, a restore that would not fit the pool even after
         demoting idle sessions is not started: None is returned and the KV stays
-        on disk (a turn restores it later). Otherwise never raises for bad KV: a
+        on disk (a turn restores it later). ``session`` is the session's row as
+        the caller read it under the session's lease just before (the open
+        does: it saves a query); without it, it is read here. Otherwise never raises for bad KV: a
         fingerprint mismatch invalidates the stored KV, a corrupt or missing
         chunk is quarantined (by storage) and the valid prefix before it is
         kept; ``info.warning`` says what happened. The next turn re-prefills
@@ -261,7 +265,8 @@ class KVPersister:
         """
         engine, store = self.engine, self.store
         started = time.perf_counter()
-        session = store.get_session(kv.session_id)
+        if session is None:
+            session = store.get_session(kv.session_id)
         saved = SavedKV()
         try:
             if session.n_cached == 0:

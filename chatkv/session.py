@@ -44,7 +44,7 @@ from chatkv.tiers import Tier, TieredKV
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
-    from chatkv.storage import Lease, Store
+    from chatkv.storage import Lease, SessionInfo, Store
 
 log = logging.getLogger(__name__)
 
@@ -735,13 +735,14 @@ class SessionManager:
         if not n_cached:
             session.ready.set()
             return
-        threading.Thread(target=self._restore_at_open, args=(session,), name=f"chatkv-restore-{sid}",
+        threading.Thread(target=self._restore_at_open, args=(session, info), name=f"chatkv-restore-{sid}",
                          daemon=True).start()
 
-    def _restore_at_open(self, session: Session) -> None:
+    def _restore_at_open(self, session: Session, facts: "SessionInfo") -> None:
         info = session.restore
         try:
-            saved = session.persister.restore(session.kv, info, need_room=True)  # type: ignore[union-attr]
+            saved = session.persister.restore(session.kv, info, need_room=True,  # type: ignore[union-attr]
+                                              session=facts)
             if saved is not None:
                 session.saved = saved
         except Exception as exc:  # a storage failure costs a re-prefill, never the session

@@ -107,3 +107,17 @@ def test_serve_compare_smoke_restarts_chatkv_serve_and_reports_cached_turns(tmp_
     assert verdicts["later-turn TTFT p50 at most 1/3 of transformers serve's"] is None
     state = json.loads((out / "chatkv.state.json").read_text())
     assert not Path(state["env"]["CHATKV_HOME"]).exists(), "the server's private home is removed"
+
+
+def test_overlap_probe_times_reads_and_prefill_apart_and_together(tmp_path: Path, capsys) -> None:
+    from benchmarks.overlap_probe import main
+
+    out = tmp_path / "overlap.json"
+    assert main(["--model", "tiny:llama", "--tokens", "300", "--repeats", "2", "--out", str(out)]) == 0
+    assert "| read | prefill | sequential | overlapped |" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["context_tokens"] > 100 and r["new_tokens"] > 0 and r["disk_bytes"] > 0
+    assert all(len(ts) == 2 and min(ts) > 0 for ts in r["times_s"].values())
+    med = r["median_s"]
+    assert r["best_over_sequential"] == max(med["read"], med["prefill"]) / med["sequential"]
+    assert r["overlapped_over_sequential"] == med["overlapped"] / med["sequential"]
