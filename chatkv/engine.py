@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 COMPILE_IDLE_POLL_S = 0.2
 #: Compiles tried before decode stays uncompiled. A compile fails now and then
 #: when the model runs eagerly beside it (a turn that arrived meanwhile):
-#: building its guards races with the eager forward in transformers' wrappers
-#: (seen with transformers 5.25 and torch 2.13). Such a failure is tried again
-#: when the loop is next idle; one with no forward beside it is not.
+#: building its guards races with the eager forward through the hub-kernel
+#: wrappers transformers puts on layers (the ``kernels`` package's context
+#: variable; seen with transformers 5.25 and torch 2.13). Such a failure is
+#: tried again when the loop is next idle; one with no forward beside it is not.
 COMPILE_ATTEMPTS = 3
 
 

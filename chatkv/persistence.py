@@ -254,11 +254,12 @@ class KVPersister:
         demoting idle sessions is not started: None is returned and the KV stays
         on disk (a turn restores it later). ``session`` is the session's row as
         the caller read it under the session's lease just before (the open
-        does: it saves a query); without it, it is read here. Otherwise never raises for bad KV: a
-        fingerprint mismatch invalidates the stored KV, a corrupt or missing
-        chunk is quarantined (by storage) and the valid prefix before it is
-        kept; ``info.warning`` says what happened. The next turn re-prefills
-        whatever is missing.
+        does: it saves a query); without it, it is read here.
+
+        Otherwise never raises for bad KV: a fingerprint mismatch invalidates
+        the stored KV, a corrupt or missing chunk is quarantined (by storage)
+        and the valid prefix before it is kept; ``info.warning`` says what
+        happened. The next turn re-prefills whatever is missing.
 
         Returns:
             What is on disk now (the basis of the next incremental save).

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .errors import CliError, ExitCode, exit_code_for
+from .options import compile_option, disk_format_option, dtype_option, kv_quant_option, model_option
 from .output import ago, human_bytes, note, print_table, printable
 from .store import open_store
 
@@ -539,23 +540,11 @@ class Repl:
 @click.option("--system", default=None, help="System prompt (replaces a resumed session's).")
 @click.option("--system-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Read the system prompt from a file.")
-@click.option("--model", default=None,
-              help="Model: 'default' (SmolLM2-135M-Instruct), a model directory, a .gguf file, or tiny:<arch>.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-              envvar="CHATKV_DTYPE", show_envvar=True,
-              help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
-                   "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
-                   "re-prefill in another.")
-@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
-              envvar="CHATKV_COMPILE", show_envvar=True,
-              help="Compile the decode step with torch.compile, in the background after loading "
-                   "(about 1.2x faster decode). auto (default): on the CPU where a C++ compiler is present.")
-@click.option("--kv-quant", "kv_quant", default=None, metavar="SCHEME",
-              help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4 (engine-wide).")
-@click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
-              default="exact", show_default=True, envvar="CHATKV_DISK_FORMAT", show_envvar=True,
-              help="How KV chunks are written to disk: exact, or compact (quantized; used only while it "
-                   "passes its fidelity floor for the model).")
+@model_option
+@dtype_option
+@compile_option
+@kv_quant_option
+@disk_format_option
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1),
               help="Longest reply, in tokens.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .errors import CliError, ExitCode
+from .options import compile_option, disk_format_option, dtype_option, kv_quant_option, model_option
 
 if TYPE_CHECKING:
     import uvicorn
@@ -116,8 +117,7 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
               help="Address to listen on (0.0.0.0 for every interface: set an API key).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port; 0 picks a free one (printed at start).")
-@click.option("--model", default=None,
-              help="Model: 'default' (SmolLM2-135M-Instruct), a model directory, a .gguf file, or tiny:<arch>.")
+@model_option
 @click.option("--served-model-name", default=None,
               help="The model's name in requests and /v1/models (default: the loaded model's name).")
 @click.option("--api-key", envvar="CHATKV_API_KEY", default=None,
@@ -126,21 +126,10 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Tenants, one 'NAME KEY' per line: each key's sessions are its own (ids stored as NAME.<id>). "
                    "[env CHATKV_API_KEY_FILE]")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-              envvar="CHATKV_DTYPE", show_envvar=True,
-              help="Weights and KV dtype. auto (default): bfloat16 on a CPU with native bf16 "
-                   "(AVX-512 BF16, AMX) or a CUDA GPU, float32 elsewhere. Sessions cached in one dtype "
-                   "re-prefill in another.")
-@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
-              envvar="CHATKV_COMPILE", show_envvar=True,
-              help="Compile the decode step with torch.compile, in the background after loading "
-                   "(about 1.2x faster decode). auto (default): on the CPU where a C++ compiler is present.")
-@click.option("--kv-quant", default=None, metavar="SCHEME",
-              help="How idle sessions' KV is compressed: none, bf16, fp16, int8, fp8 or int4.")
-@click.option("--disk-format", "disk_format", type=click.Choice(["exact", "bf16", "fp16", "int8", "fp8", "int4"]),
-              default="exact", show_default=True, envvar="CHATKV_DISK_FORMAT", show_envvar=True,
-              help="How KV chunks are written to disk: exact, or compact (quantized; used only while it "
-                   "passes its fidelity floor for the model).")
+@dtype_option
+@compile_option
+@kv_quant_option
+@disk_format_option
 @click.option("--kv-budget", default=None, type=Size(),
               help="Bytes of KV the device block pool holds (e.g. 2G); default: a quarter of free RAM, "
                    "at most 2G (60% of free GPU memory on CUDA).")
