@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import write_json
+
 SYSTEMS = ("chatkv", "transformers-eager", "transformers-sdpa", "llama.cpp")
 WORDS = ("a returning conversation reads its keys and values back from the pool instead of computing "
          "them again while the new turn decodes one token at a time ").split()
@@ -178,10 +180,8 @@ def _report(args: argparse.Namespace, contexts: list[int], runs: dict[str, list[
     report = "\n".join(lines)
     print(report)
     print(f"[decode] {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                        "median": med, "report": report}, indent=2))
+    write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                          "median": med, "report": report})
 
 
 if __name__ == "__main__":

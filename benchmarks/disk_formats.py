@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import raw_read
+from benchmarks.measure import raw_read, write_json
 from benchmarks.sharegpt import load_conversations
 
 FORMATS = ("exact", "bf16", "fp16", "int8", "fp8", "int4")
@@ -147,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results = run(args)
     print(render(results, args))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     return 0
 
 

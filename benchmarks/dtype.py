@@ -25,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.fidelity import conversation_turns
+from benchmarks.measure import write_json
 from benchmarks.sharegpt import load_conversations
 from chatkv.hardware import cpu_has_fast_bf16
 
@@ -165,10 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         stock[name] = m.model
     agree = agreement(stock, loaded["float32"].tokenizer, args.n, args.max_tokens)
     print(render(speed, agree, args))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"speed": speed, "agreement": agree, "threads": torch.get_num_threads(),
-                                        "native_bf16": cpu_has_fast_bf16()}, indent=2))
+    write_json(args.out, {"speed": speed, "agreement": agree, "threads": torch.get_num_threads(),
+                          "native_bf16": cpu_has_fast_bf16()})
     return 0
 
 

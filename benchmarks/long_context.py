@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.measure import write_json
 
 SYSTEM = "You are a helpful assistant."
 SYSTEMS = ("re-prefill", "chatkv trim", "chatkv sink")
@@ -259,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
         results = run(args.model, args.window, args.windows, args.max_chars, args.conversations, args.seed)
     print(table(results))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+    write_json(args.out, results, indent=1)
     return 0
 
 

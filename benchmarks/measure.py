@@ -103,6 +103,16 @@ def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
     return n_bytes / best
 
 
+def write_json(path: Path | None, data: object, indent: int = 2) -> None:
+    """Write ``data`` as JSON to ``path`` (its folder made first); nothing when ``path`` is None."""
+    import json
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent))
+
+
 def raw_read(paths: Iterable[Path]) -> tuple[int, float]:
     """Read ``paths`` whole with plain ``read`` calls; returns ``(bytes, seconds)``."""
     total = 0

@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -43,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.disk_formats import _history
+from benchmarks.measure import write_json
 
 USER = "Thanks. Could you sum that up in two sentences, please?"
 
@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results = run(args)
     print(render(results))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     return 0
 
 
