@@ -11,6 +11,7 @@ with those three methods plus a ``name``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -105,8 +106,6 @@ def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
 
 def write_json(path: Path | None, data: object, indent: int = 2) -> None:
     """Write ``data`` as JSON to ``path`` (its folder made first); nothing when ``path`` is None."""
-    import json
-
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
