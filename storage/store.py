@@ -152,6 +152,23 @@ def _count_of(model: Any, *where: Any) -> Any:
             .correlate(SessionRow).scalar_subquery())
 
 
+def _messages_of(session_id: str) -> Any:
+    """The statement selecting a session's messages, in order."""
+    return select(MessageRow).where(MessageRow.session_id == session_id).order_by(MessageRow.idx)
+
+
+def _chunks_of(session_id: str) -> Any:
+    """The statement selecting a session's chunk rows, in chunk-list order."""
+    return (select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
+            .where(SessionChunkRow.session_id == session_id).order_by(SessionChunkRow.position))
+
+
+def _touch(session_id: str, now: datetime) -> Any:
+    """The statement setting a session's ``last_used_at`` (one core UPDATE, not the ORM's flush of the row)."""
+    return (update(SessionRow).where(SessionRow.id == session_id).values(last_used_at=now)
+            .execution_options(synchronize_session=False))
+
+
 #: The id :meth:`Store.warm_up` runs its statements for (rolled back: any session may have it).
 WARM_UP_SESSION_ID = "chatkv-warm-up"
 
@@ -328,15 +345,13 @@ class Store(StoreUpkeep):
                 # their first compile (the second compile is the one later calls hit).
                 for _ in range(2):
                     _session_infos(s, SessionRow.id == sid, schema=self._schema)
-                s.scalars(select(MessageRow).where(MessageRow.session_id == sid).order_by(MessageRow.idx)).all()
-                s.scalars(select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
-                          .where(SessionChunkRow.session_id == sid).order_by(SessionChunkRow.position)).all()
+                s.scalars(_messages_of(sid)).all()
+                s.scalars(_chunks_of(sid)).all()
                 leases.read_holder(s, sid)
                 leases.foreign_holder(s, sid, self.owner, self.clock())
                 # The two updates of a reopen, matching no row (a write lock for a moment on SQLite).
                 now = utcnow()
-                s.execute(update(SessionRow).where(SessionRow.id == sid).values(last_used_at=now)
-                          .execution_options(synchronize_session=False))
+                s.execute(_touch(sid, now))
                 leases.take_row(s, sid, leases.Holder("", -1, now), self.owner, 0, now, now)
                 s.rollback()
         except SQLAlchemyError as e:
@@ -444,9 +459,8 @@ class Store(StoreUpkeep):
                                          cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
                         s.add(row)
                         s.flush()
-                    else:  # one statement that warm_up() has compiled (not the ORM's flush of the row)
-                        s.execute(update(SessionRow).where(SessionRow.id == session_id).values(last_used_at=now)
-                                  .execution_options(synchronize_session=False))
+                    else:  # the statement warm_up() has compiled
+                        s.execute(_touch(session_id, now))
                     return self._session_info(s, session_id)
             except StorageWriteError:
                 if attempt:  # a concurrent create won the insert; read it back
@@ -563,7 +577,7 @@ class Store(StoreUpkeep):
         """The session's history, in order."""
         with self._tx(write=False) as s:
             row = self._get(s, session_id)
-            ms = s.scalars(select(MessageRow).where(MessageRow.session_id == row.id).order_by(MessageRow.idx))
+            ms = s.scalars(_messages_of(row.id))
             return [MessageRecord(m.idx, m.role, m.content,
                                   (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
                                   m.created_at, bool(m.flags & MESSAGE_PARTIAL),
@@ -1125,8 +1139,7 @@ class Store(StoreUpkeep):
         """The session's ordered chunk list (index facts only; no file access)."""
         with self._tx(write=False) as s:
             row = self._get(s, session_id)
-            rows = s.scalars(select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
-                             .where(SessionChunkRow.session_id == row.id).order_by(SessionChunkRow.position))
+            rows = s.scalars(_chunks_of(row.id))
             return [_info(r) for r in rows]
 
     def cached_token_ids(self, session_id: str) -> list[int]:
@@ -1167,8 +1180,7 @@ class Store(StoreUpkeep):
             if fingerprint is not None and row.n_cached and row.fingerprint != fingerprint:
                 raise FingerprintMismatchError(session_id, row.fingerprint, fingerprint)
             ids = unpack_token_ids(row.cached_ids)
-            rows = s.scalars(select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
-                             .where(SessionChunkRow.session_id == row.id).order_by(SessionChunkRow.position))
+            rows = s.scalars(_chunks_of(row.id))
             infos = [_info(r) for r in rows]
         return StoredKV(self, session_id, fingerprint, ids, infos)
 
