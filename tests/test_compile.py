@@ -5,6 +5,7 @@ when compiling goes wrong."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -124,8 +125,10 @@ def test_a_compile_that_fails_while_a_turn_runs_beside_it_is_tried_again(
     # the loop meanwhile and fails; the engine compiles again once idle.
     real = DecodeGraphs.build
     attempts: list[int] = []
+    constructed = threading.Event()  # the compile thread starts inside Engine(): wait for `engine`
 
     def racing(self: DecodeGraphs, pool_kv: torch.Tensor, backend: object) -> int:
+        assert constructed.wait(timeout=600)
         attempts.append(engine.runner.forward_calls)
         if len(attempts) == 1:
             assert Chat("beside", engine=engine, persist=False, max_new_tokens=3).send("hi") is not None
@@ -136,6 +139,7 @@ def test_a_compile_that_fails_while_a_turn_runs_beside_it_is_tried_again(
     with caplog.at_level(logging.WARNING, logger="chatkv.engine"):
         engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on",
                                                                compile_batch_sizes=(1,)))
+        constructed.set()
         assert engine.compiled.result(timeout=600) == 1
     assert len(attempts) == 2 and engine.runner.decode_graphs is not None
     assert any("attempt 1 of 3" in r.message for r in caplog.records)
