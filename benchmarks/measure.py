@@ -69,6 +69,22 @@ class System(Protocol):
         """Free what ``prepare`` built."""
 
 
+#: Seconds every system idles right before each timed turn (``benchmarks.run
+#: --idle-s``, default 1 there; 0 here: back to back). A returning conversation
+#: arrives after the user's think time, not straight after other work. On this
+#: VM a turn that starts on a CPU busy a moment before ran 10 to 15% faster
+#: than one after an idle second, so a turn timed back to back with other work
+#: is not what a user waits for, and two systems (or a first and a next turn)
+#: compare only when both idled the same.
+TURN_GAP_S = 0.0
+
+
+def idle_before_turn() -> None:
+    """Sleep :data:`TURN_GAP_S` seconds: called by every system just before its timed turn."""
+    if TURN_GAP_S > 0:
+        time.sleep(TURN_GAP_S)
+
+
 @dataclass
 class Unavailable:
     """A system that could not run here, and why (shown as a row of the report)."""

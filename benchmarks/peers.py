@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from benchmarks.measure import Sample, Unavailable, sample_for
+from benchmarks.measure import Sample, Unavailable, idle_before_turn, sample_for
 from benchmarks.workload import Point
 
 # --- transformers -----------------------------------------------------------------------
@@ -113,7 +113,9 @@ class HFReprefill:
 
     def measure(self, point: Point, repeat: int) -> Sample:
         """Prefill the whole prompt into a fresh cache, then decode."""
-        ttft, decode, tokens = self.hf.turn(list(point.prompt_ids), self.hf.new_cache(), self.new_tokens)
+        cache = self.hf.new_cache()
+        idle_before_turn()
+        ttft, decode, tokens = self.hf.turn(list(point.prompt_ids), cache, self.new_tokens)
         return sample_for(self.name, point, repeat, ttft, decode, tokens)
 
     def release(self, point: Point) -> None:
@@ -174,6 +176,7 @@ class HFDynamicCache:
     def measure(self, point: Point, repeat: int) -> Sample:
         """Prefill the delta on the kept cache, decode, then crop it back."""
         cache = self.history.get(point)
+        idle_before_turn()
         ttft, decode, tokens = self.history.hf.turn(point.delta_ids, cache, self.new_tokens)
         crop(cache, point.n_cached)
         return sample_for(self.name, point, repeat, ttft, decode, tokens)
@@ -203,6 +206,7 @@ class HFHandmadeResume:
 
         path = self.history.saved(point)
         hf = self.history.hf
+        idle_before_turn()
         t0 = time.perf_counter()
         tensors = load_file(str(path))
         cache = hf.new_cache()
@@ -301,6 +305,7 @@ class LlamaReprefill:
     def measure(self, point: Point, repeat: int) -> Sample:
         """Reset the context, prefill the whole prompt, decode."""
         self.ctx.llm.reset()
+        idle_before_turn()
         ttft, decode, tokens = self.ctx.turn(list(point.prompt_ids), self.new_tokens)
         return sample_for(self.name, point, repeat, ttft, decode, tokens)
 
@@ -329,6 +334,7 @@ class LlamaStateFile:
     def measure(self, point: Point, repeat: int) -> Sample:
         """Load the state file, prefill the delta, decode."""
         assert self.path is not None
+        idle_before_turn()
         t0 = time.perf_counter()
         n = self.ctx.load_file(self.path, point.n_cached + 8)
         load_s = time.perf_counter() - t0

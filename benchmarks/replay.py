@@ -39,7 +39,8 @@ from typing import Any
 
 from chatkv.storage import Store
 
-from benchmarks.measure import Sample, evict_page_cache, raw_read, sample_for
+from benchmarks import measure
+from benchmarks.measure import Sample, evict_page_cache, idle_before_turn, raw_read, sample_for
 from benchmarks.workload import Point
 from chatkv.chat import Chat
 from chatkv.stats import TurnStats
@@ -207,6 +208,7 @@ class ChatkvTier:
         try:
             extra = self.before(point, sid)
             opener = self.open(point, sid)
+            idle_before_turn()
             ttft, decode, tokens, chat, parts = timed_turn(opener, point.user, self.new_tokens)
             info = chat.restore
             extra.update(parts)
@@ -311,7 +313,8 @@ class RestartTier(ChatkvTier):
         try:
             req = {"home": str(self.bench.home), "session": sid, "next_session": sid2, "user": point.user,
                    "model": self.bench.model_spec, "dtype": str(self.bench.loaded.dtype).removeprefix("torch."),
-                   "threads": self.bench.threads, "new_tokens": self.new_tokens, "spawned_at": time.time()}
+                   "threads": self.bench.threads, "new_tokens": self.new_tokens, "idle_s": measure.TURN_GAP_S,
+                   "spawned_at": time.time()}
             proc = subprocess.run([sys.executable, "-m", "benchmarks.restart_probe"], input=json.dumps(req),
                                   capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode != 0:

@@ -2,7 +2,8 @@
 
 Reads a JSON request on stdin (``home``, ``session``, ``user``, ``model``,
 ``dtype``, ``threads``, ``new_tokens``, ``spawned_at`` and optionally
-``next_session``), loads the model, opens the session from the store at
+``next_session`` and ``idle_s``, the idle seconds before each timed turn as
+in :data:`benchmarks.measure.TURN_GAP_S`), loads the model, opens the session from the store at
 ``home``, sends ``user`` and prints one JSON line: time to first token counted
 from ``Chat()`` (``ttft_s``), from the process's spawn
 (``process_to_first_token_s``), the model load time, the restore's seconds and
@@ -40,6 +41,8 @@ def main() -> int:
     model_load_s = time.perf_counter() - t0
     engine = Engine(loaded)
     engine.wait_warm()  # the warm-up belongs to loading, not to the timed turn
+    idle_s = float(req.get("idle_s", 0.0))
+    time.sleep(idle_s)  # the user's think time, as before every system's timed turn
     chat_at = time.time()
     ttft, decode, tokens, chat, parts = timed_turn(lambda: Chat(req["session"], engine=engine, store=store),
                                             req["user"], int(req["new_tokens"]))
@@ -48,6 +51,7 @@ def main() -> int:
     nxt: dict[str, float] = {}
     if req.get("next_session"):
         engine.call(engine.pool.evict_cached, "cold prefix cache")  # the next restore reads the files again
+        time.sleep(idle_s)  # the same idle as before the first turn: only the process's first call differs
         n_ttft, _, n_tokens, n_chat, _ = timed_turn(
             lambda: Chat(req["next_session"], engine=engine, store=store), req["user"], int(req["new_tokens"]))
         assert n_chat.restore.source == "disk" and n_tokens == tokens, (n_chat.restore, n_tokens, tokens)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import measure
 from benchmarks.measure import (
     Sample,
     Unavailable,
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto",
                    help="the model's dtype for chatkv and transformers: auto (bfloat16 on a CPU with native bf16), "
                         "float32 or bfloat16")
+    p.add_argument("--idle-s", type=float, default=None,
+                   help="seconds every system idles before each timed turn, as after a user's think time "
+                        "(default 1; smoke 0; 0: back to back)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--systems", default=None, help="comma-separated substrings: run only matching systems")
     p.add_argument("--budget-min", type=float, default=26.0,
@@ -72,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.repeats = args.repeats or 1
         args.new_tokens = min(args.new_tokens, 8)
         args.no_llama = True
+        args.idle_s = 0.0 if args.idle_s is None else args.idle_s
+    args.idle_s = 1.0 if args.idle_s is None else args.idle_s
     args.sample = args.sample or 6
     args.per_bin = args.per_bin or 2
     args.repeats = args.repeats or 3
@@ -134,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from chatkv.models import default_gguf_path, load_model
 
     started = time.perf_counter()
+    measure.TURN_GAP_S = args.idle_s
     torch.set_num_threads(args.threads)
     _warm_llama_note()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
@@ -220,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads, "cpu": cpu_name(), "cpus": os.cpu_count(), "sample": args.sample, "per_bin": args.per_bin,
             "conversations": len(convs), "seed": args.seed, "repeats": args.repeats,
             "new_tokens": args.new_tokens, "bins": bins, "smoke": args.smoke, "evict": args.evict,
-            "can_drop_caches": can_drop_caches(), "restart_repeats": args.restart_repeats,
+            "can_drop_caches": can_drop_caches(), "restart_repeats": args.restart_repeats, "idle_s": args.idle_s,
             "seconds": time.perf_counter() - started, "budget_min": args.budget_min,
             "command": " ".join(["python -m benchmarks.run", *getattr(args, "argv", [])]),
             "memory_bandwidth": bandwidth, "torch": torch.__version__,
