@@ -27,7 +27,9 @@ from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
 from chatkv.compile import DecodeGraphs, parse_compile, should_compile
 from chatkv.config import (
+    WARMUP_CONTEXT_TOKENS,
     WARMUP_DECODE_STEPS,
+    WARMUP_DELTA_TOKENS,
     WARMUP_HEAD_ROWS,
     WARMUP_LINEAR_ROWS,
     WARMUP_POOL_BYTES,
@@ -217,7 +219,8 @@ class Engine:
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template and the text bound
         once, the pool's first pages, the restore reader threads, a throwaway
-        turn, then the packed linears' kernels for short steps of every length."""
+        new turn and a throwaway returning one, then the packed linears'
+        kernels for short steps of every length."""
         from chatkv.models import max_token_chars
 
         started = time.perf_counter()
@@ -227,6 +230,8 @@ class Engine:
         start_restore_readers()
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
+        room = self.max_context - n - WARMUP_DELTA_TOKENS - WARMUP_DECODE_STEPS - 1
+        n += self.runner.warm_up_return(min(WARMUP_CONTEXT_TOKENS, room), WARMUP_DELTA_TOKENS, WARMUP_DECODE_STEPS)
         warm_row_counts(self.runner.model, range(1, WARMUP_LINEAR_ROWS + 1), WARMUP_HEAD_ROWS)
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
         return n

@@ -167,6 +167,33 @@ class ModelRunner:
             self.costs.record_prefill(input_ids.shape[1], time.perf_counter() - started)  # type: ignore[union-attr]
         return logits
 
+    def warm_up_return(self, context_tokens: int, delta_tokens: int, decode_steps: int) -> int:
+        """Run a throwaway returning turn: ``context_tokens`` of history whose
+        KV is written straight into the pool (zeros: only the shapes matter),
+        a prefill of ``delta_tokens`` over them, then ``decode_steps``
+        one-token steps, so that a session's first turn after a restore finds
+        that path warm. Its blocks are discarded. Runs on the loop. Returns
+        the tokens run: 0 when the pool is short of free blocks for them.
+        """
+        total = context_tokens + delta_tokens + decode_steps
+        if context_tokens < 1 or delta_tokens < 1 or total > self.pool.num_available * self.pool.block_size:
+            return 0
+        layers, two, _, _, heads, dim = self.pool.kv.shape
+        ids = [i % 1000 + 1 for i in range(total)]
+        seq = Sequence(token_ids=[])
+        try:
+            kv = torch.zeros((layers, two, context_tokens, heads, dim), dtype=self.pool.kv.dtype, device=self.device)
+            self.pool.write_tokens(seq, ids[:context_tokens], kv)
+            del kv
+            seq.token_ids[:] = ids[: context_tokens + delta_tokens]
+            self.forward([StepInput(seq, ids[context_tokens: context_tokens + delta_tokens])])
+            for i in range(context_tokens + delta_tokens, total):
+                seq.token_ids.append(ids[i])
+                self.forward([StepInput(seq, ids[i: i + 1])])
+            return total
+        finally:
+            self.pool.discard(seq)
+
     def warm_up(self, prompt_tokens: int, decode_steps: int, max_prefill_tokens: int) -> int:
         """Run a throwaway turn through the model: a prefill of ``prompt_tokens``
         tokens (in steps of at most ``max_prefill_tokens``), then ``decode_steps``

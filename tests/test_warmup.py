@@ -3,26 +3,36 @@
 from __future__ import annotations
 
 from chatkv import Chat, EngineConfig
-from chatkv.config import WARMUP_DECODE_STEPS, WARMUP_PROMPT_TOKENS
+from chatkv.config import WARMUP_CONTEXT_TOKENS, WARMUP_DECODE_STEPS, WARMUP_DELTA_TOKENS, WARMUP_PROMPT_TOKENS
 from chatkv.engine import Engine
 from chatkv.models import load_model
 
+NEW_TURN = WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
+RETURNING_TURN = WARMUP_CONTEXT_TOKENS + WARMUP_DELTA_TOKENS + WARMUP_DECODE_STEPS
 
-def test_warm_up_runs_a_turn_and_leaves_the_pool_as_it_found_it() -> None:
-    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4))
+
+def test_warm_up_runs_a_new_and_a_returning_turn_and_leaves_the_pool_as_it_found_it() -> None:
+    blocks = (RETURNING_TURN + 3) // 4 + 2
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=blocks, block_size=4))
     assert engine.warmed is not None
-    assert engine.warmed.result(timeout=120) == WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
+    assert engine.warmed.result(timeout=120) == NEW_TURN + RETURNING_TURN
     stats = engine.pool_stats()
-    assert (stats.free_blocks, stats.cached_blocks, stats.used_blocks) == (128, 0, 0)  # nothing cached
+    assert (stats.free_blocks, stats.cached_blocks, stats.used_blocks) == (blocks, 0, 0)  # nothing cached
     assert engine.scheduler.stats.submitted == 0 and engine.scheduler.stats.forward_tokens == 0  # not a turn
+
+
+def test_a_pool_too_small_for_the_returning_turn_runs_only_the_new_one() -> None:
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4))
+    assert engine.wait_warm(timeout=120) == NEW_TURN
+    assert engine.pool_stats().free_blocks == 128
 
 
 def test_replies_are_the_same_with_and_without_warm_up() -> None:
     replies = []
     for warmup in (True, False):
-        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, warmup=warmup))
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=400, block_size=4, warmup=warmup))
         assert (engine.warmed is None) is (not warmup)
-        assert engine.wait_warm(timeout=120) == (WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS if warmup else 0)
+        assert engine.wait_warm(timeout=120) == (NEW_TURN + RETURNING_TURN if warmup else 0)
         chat = Chat("w", system="be brief", engine=engine, persist=False, max_new_tokens=8)
         chat.send("hello there")  # asked for at once: it starts after the warm-up
         chat.send("and again")
