@@ -327,7 +327,8 @@ class RestartTier(ChatkvTier):
                           restore_s=out["restore_s"], open_s=out["open_s"], first_token_s=out["first_token_s"],
                           bytes_read=out["bytes_read"], process_to_first_token_s=out["process_to_first_token_s"],
                           model_load_s=out["model_load_s"], next_ttft_s=out.get("next_ttft_s"),
-                          next_restore_s=out.get("next_restore_s"))
+                          next_restore_s=out.get("next_restore_s"), next_open_s=out.get("next_open_s"),
+                          next_first_token_s=out.get("next_first_token_s"))
 
 
 def chatkv_systems(bench: ChatkvReplay, new_tokens: int, evict: str, restart_repeats: int) -> list[ChatkvTier]:

@@ -52,10 +52,11 @@ def main() -> int:
     if req.get("next_session"):
         engine.call(engine.pool.evict_cached, "cold prefix cache")  # the next restore reads the files again
         time.sleep(idle_s)  # the same idle as before the first turn: only the process's first call differs
-        n_ttft, _, n_tokens, n_chat, _ = timed_turn(
+        n_ttft, _, n_tokens, n_chat, n_parts = timed_turn(
             lambda: Chat(req["next_session"], engine=engine, store=store), req["user"], int(req["new_tokens"]))
         assert n_chat.restore.source == "disk" and n_tokens == tokens, (n_chat.restore, n_tokens, tokens)
-        nxt = {"next_ttft_s": n_ttft, "next_restore_s": n_chat.restore.seconds}
+        nxt = {"next_ttft_s": n_ttft, "next_restore_s": n_chat.restore.seconds, "next_open_s": n_parts["open_s"],
+               "next_first_token_s": n_parts["first_token_s"]}
         n_chat.close()
     engine.close()
     store.close()

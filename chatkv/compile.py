@@ -10,8 +10,11 @@ step about 1.2x faster here (SmolLM2 in bfloat16, 2 threads).
 What is compiled is the whole model for a decode step of ``B`` sequences (``B``
 tokens, one per sequence) with static shapes, one graph per size in
 ``EngineConfig.compile_batch_sizes``, as vLLM and SGLang capture a graph per
-batch-size bucket. Every other step (prefill, teacher forcing, a batch of
-another size) runs the model as it is. The two places the graph must not
+batch-size bucket. A decode step of fewer sequences than a compiled size runs
+through the smallest such graph, padded with rows that write and read only a
+block of their own (:meth:`chatkv.runner.ModelRunner.pad_step`); their logits
+are dropped. Every other step (prefill, teacher forcing, a batch larger than
+every size) runs the model as it is. The two places the graph must not
 look into are operators of their own: each layer's attention
 (``chatkv::paged_attention``, which reads the step's metadata from
 :func:`chatkv.attention.step_metadata`, as vLLM's forward context does) and,
@@ -165,9 +168,14 @@ class DecodeGraphs:
         self.ready = frozenset(ready)
         return len(ready)
 
-    def covers(self, meta: AttentionMetadata) -> bool:
-        """True if this step is a decode step of a compiled batch size."""
-        return self._fn is not None and meta.max_query_len == 1 and meta.num_seqs in self.ready
+    def size_for(self, meta: AttentionMetadata) -> int | None:
+        """The compiled batch size this step runs as: a decode step of ``B``
+        sequences runs through the graph of the smallest compiled size ``>= B``
+        (padded by the caller when larger, as vLLM pads to a captured size);
+        None for any other step, or when no size is large enough."""
+        if self._fn is None or meta.max_query_len != 1:
+            return None
+        return min((b for b in self.ready if b >= meta.num_seqs), default=None)
 
     def run(self, meta: AttentionMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The step's logits ``[1, B, vocab]`` through the compiled graph (or,

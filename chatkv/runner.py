@@ -18,6 +18,7 @@ from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
 from chatkv.compile import DecodeGraphs
 from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
+from chatkv.errors import OutOfBlocksError
 from chatkv.prepack import prepack as prepack_linears
 from chatkv.sequence import Sequence
 from chatkv.threads import in_passing_thread
@@ -60,6 +61,8 @@ class ModelRunner:
         self.compiled_steps = 0
         #: Calls of :meth:`forward` so far (compiled or not).
         self.forward_calls = 0
+        #: The pad rows' sequence and slot (:meth:`pad_step`), once a step needed them.
+        self._pad: tuple[Sequence, int] | None = None
 
     def build_metadata(self, batch: list[StepInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Reserve slots for every new token and pack the step.
@@ -118,6 +121,45 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
         return meta, input_ids, position_ids
 
+    def pad_step(self, meta: AttentionMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 size: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None:
+        """The decode step ``meta`` as one of ``size`` sequences, for a compiled
+        graph of that size: the step itself when it has that many, else with
+        pad rows (token 0 at position 0) that write their K/V into one slot of
+        the runner's pad block and attend to it alone, so no sequence's KV is
+        touched. The pad block is taken from the pool on first use and kept;
+        None (run the step as it is) when the pool has no block for it.
+        """
+        n = meta.num_seqs
+        if size == n:
+            return meta, input_ids, position_ids
+        if self._pad is None:
+            seq = Sequence(token_ids=[0])
+            try:
+                slot = self.pool.prepare_write(seq, 1)[0]
+            except OutOfBlocksError:
+                return None
+            self._pad = (seq, slot)
+        seq, slot = self._pad
+        k, dev = size - n, self.device
+        table = torch.zeros((size, meta.block_tables.shape[1]), dtype=meta.block_tables.dtype, device=dev)
+        table[:n] = meta.block_tables
+        table[n:, 0] = seq.block_table[0]
+        padded = AttentionMetadata(
+            kv=meta.kv,
+            slot_mapping=torch.cat([meta.slot_mapping, torch.full((k,), slot, dtype=torch.int64, device=dev)]),
+            block_tables=table,
+            seq_lens=torch.cat([meta.seq_lens, torch.ones(k, dtype=meta.seq_lens.dtype, device=dev)]),
+            cu_seqlens_q=torch.arange(size + 1, dtype=meta.cu_seqlens_q.dtype, device=dev),
+            seq_lens_list=meta.seq_lens_list + [1] * k,
+            query_lens_list=meta.query_lens_list + [1] * k,
+            max_query_len=1,
+            backend=meta.backend,
+        )
+        padded.extras["contiguous_start"] = meta.extras["contiguous_start"] + [seq.block_table[0]] * k
+        zeros = torch.zeros((1, k), dtype=input_ids.dtype, device=dev)
+        return padded, torch.cat([input_ids, zeros], 1), torch.cat([position_ids, zeros], 1)
+
     @torch.inference_mode()
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> torch.Tensor:
         """Compute the KV of every new token in place and the logits of each
@@ -137,9 +179,11 @@ class ModelRunner:
         started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)
         graphs = self.decode_graphs
-        if graphs is not None and not all_logits and graphs.covers(meta):
-            # Every token is its sequence's last: the graph keeps all logits.
-            logits = graphs.run(meta, input_ids, position_ids)[0].float()
+        size = graphs.size_for(meta) if graphs is not None and not all_logits else None
+        padded = self.pad_step(meta, input_ids, position_ids, size) if size is not None else None
+        if padded is not None:
+            # Every token is its sequence's last: the graph keeps all logits (the pad rows' dropped).
+            logits = graphs.run(*padded)[0, : len(batch)].float()  # type: ignore[union-attr]
             self.compiled_steps += 1
             n_last = len(batch)
         else:

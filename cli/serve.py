@@ -53,6 +53,23 @@ class Size(click.ParamType):
         return n
 
 
+class BatchSizes(click.ParamType):
+    """Decode batch sizes to compile: ``1,2,4,8`` (positive integers)."""
+
+    name = "SIZES"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            sizes = tuple(sorted({int(part) for part in str(value).split(",") if part.strip()}))
+        except ValueError:
+            self.fail(f"not a comma-separated list of batch sizes: {value!r} (e.g. 1,2,4,8)", param, ctx)
+        if not sizes or sizes[0] < 1:
+            self.fail(f"batch sizes must be positive integers: {value!r}", param, ctx)
+        return sizes
+
+
 def is_loopback(host: str) -> bool:
     """True if ``host`` only accepts connections from this machine."""
     if host in ("localhost", "localhost.localdomain"):
@@ -128,6 +145,9 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
                    "[env CHATKV_API_KEY_FILE]")
 @dtype_option
 @compile_option
+@click.option("--compile-batch-sizes", default="1,2,4,8", show_default=True, type=BatchSizes(),
+              help="Decode batch sizes to compile a graph for; a step of fewer sequences runs padded "
+                   "through the next larger one (each size is one more compile in the background).")
 @kv_quant_option
 @disk_format_option
 @click.option("--kv-budget", default=None, type=Size(),
@@ -155,7 +175,8 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="Server log level (debug adds an access log).")
 def serve(host: str, port: int, model: str | None, served_model_name: str | None, api_key: str | None,
-          api_key_file: Path | None, dtype: str | None, compile_mode: str | None, kv_quant: str | None, disk_format: str,
+          api_key_file: Path | None, dtype: str | None, compile_mode: str | None, compile_batch_sizes: tuple[int, ...],
+          kv_quant: str | None, disk_format: str,
           kv_budget: int | None, max_num_seqs: int, max_waiting: int, max_open_sessions: int, max_body_size: int, default_max_tokens: int | None,
           default_temperature: float, context_policy: str, drain_timeout: float, log_level: str) -> None:
     """Serve the model over OpenAI's chat-completions API; conversations persist.
@@ -212,7 +233,7 @@ def serve(host: str, port: int, model: str | None, served_model_name: str | None
             if kv_quant or disk_format != "exact" else None
         engine = get_engine(model, EngineConfig(kv_budget_bytes=kv_budget, max_num_seqs=max_num_seqs,
                                                 max_waiting=max_waiting, tiers=tiers, dtype=dtype,
-                                                compile=compile_mode))
+                                                compile=compile_mode, compile_batch_sizes=compile_batch_sizes))
         config = ServerConfig(model_name=served_model_name, aliases=tuple(a for a in (model,) if a),
                               max_body_bytes=max_body_size, max_open_sessions=max_open_sessions,
                               default_max_tokens=default_max_tokens, default_temperature=default_temperature,

@@ -121,3 +121,20 @@ def test_overlap_probe_times_reads_and_prefill_apart_and_together(tmp_path: Path
     med = r["median_s"]
     assert r["best_over_sequential"] == max(med["read"], med["prefill"]) / med["sequential"]
     assert r["overlapped_over_sequential"] == med["overlapped"] / med["sequential"]
+
+
+def test_decode_batch_times_compiled_and_padded_steps_against_uncompiled(tmp_path: Path, capsys) -> None:
+    from chatkv.compile import unavailable
+
+    if unavailable(__import__("torch").device("cpu")) is not None:
+        pytest.skip("cannot compile here")
+    from benchmarks.decode_batch import main
+
+    out = tmp_path / "decode_batch.json"
+    assert main(["--model", "tiny:llama", "--batches", "1,3,5", "--graphs", "1,4", "--context", "40",
+                 "--steps", "4", "--skip", "1", "--out", str(out)]) == 0
+    assert "| compiled (graph) | " in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["graph_used"] == {"1": 1, "3": 4, "5": None}  # 3 runs padded through 4; 5 as it is
+    assert r["compiled_steps"] == {"1": 4, "3": 4, "5": 0}
+    assert all(r["ms_per_step"][k][b] > 0 for k in ("uncompiled", "compiled") for b in ("1", "3", "5"))

@@ -432,3 +432,12 @@ def test_gc_expires_kv_by_ttl_and_keeps_history(chatkv_home: Path) -> None:
     after = json.loads(run("sessions", "show", "old", "--json").stdout)
     assert len(after["messages"]) == len(before["messages"]) == 2
     assert run("sessions", "gc", "--ttl", "soon").exit_code == 2
+
+
+def test_serve_refuses_bad_compile_batch_sizes_before_loading_anything() -> None:
+    from chatkv.cli.serve import BatchSizes
+
+    assert BatchSizes().convert("4,1,2,2", None, None) == (1, 2, 4)
+    for bad, why in (("0,2", "must be positive"), ("1,x", "not a comma-separated list"), (",", "must be positive")):
+        result = run("serve", "--compile-batch-sizes", bad)
+        assert result.exit_code == 2 and why in result.output, result.output

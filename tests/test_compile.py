@@ -83,6 +83,35 @@ def test_compiled_decode_steps_compute_what_the_model_does() -> None:
 
 
 @needs_inductor
+def test_smaller_decode_batches_run_padded_through_a_larger_graph() -> None:
+    loaded = load_model("tiny:llama")
+    blocks = 256
+    compiled = Engine(loaded, EngineConfig(num_blocks=blocks, block_size=4, compile="on", compile_batch_sizes=(4,)))
+    compiled.wait_warm(timeout=600)
+    assert compiled.compiled.result() == 1
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    tokens = [(5 * i) % 300 + 3 for i in range(9)]
+    before = compiled.runner.compiled_steps
+    got = {b: _decode_logits(compiled, prompt, tokens, batch=b) for b in (1, 3, 4)}
+    assert compiled.runner.compiled_steps - before == 3 * len(tokens)  # 1 and 3 sequences ran as 4
+    five = _decode_logits(compiled, prompt, tokens, batch=5)  # larger than every graph: runs as it is
+    assert compiled.runner.compiled_steps - before == 3 * len(tokens)
+    # The pad rows' block is the only one left taken once the sequences are gone.
+    assert compiled.pool_stats().used_blocks == 1
+    compiled.close()
+
+    plain = Engine(loaded, EngineConfig(num_blocks=blocks, block_size=4, compile="off"))
+    plain.wait_warm(timeout=600)
+    want = _decode_logits(plain, prompt, tokens, batch=1)
+    plain.close()
+    for b, steps in [*got.items(), (5, five)]:
+        for step, (g, w) in enumerate(zip(steps, want)):
+            assert g.shape[0] == b
+            for row in g:  # every sequence's logits, the padded steps' included, are the plain model's
+                torch.testing.assert_close(row, w[0], atol=1e-4, rtol=1e-4, msg=lambda m: f"batch {b} step {step}: {m}")
+
+
+@needs_inductor
 def test_a_chat_on_a_compiled_engine_replies_as_on_a_plain_one() -> None:
     loaded = load_model("tiny:qwen2")  # a sliding window on one layer: the operator passes it on
     replies = []
