@@ -1311,11 +1311,20 @@ class Store(StoreUpkeep):
 
     def release_lease(self, session_id: str) -> None:
         """Release this Store's lease on ``session_id`` if it holds one (a lost
-        one is only forgotten: its row belongs to the new holder)."""
+        one is only forgotten: its row belongs to the new holder). Never
+        raises for the index: a release the index refuses (a database
+        restarting) is logged, and the lease, no longer renewed, lapses at its
+        expiry, as :meth:`close` leaves it. Closing a session whose turn was
+        saved must not fail it: a client would send the turn again."""
         with self._lock:
             lease = self._leases.pop(session_id, None)
-        if lease is not None:
+        if lease is None:
+            return
+        try:
             lease.release()
+        except SQLAlchemyError as e:
+            log.warning("could not release the lease on session %r (index: %s); it lapses at its expiry, "
+                        "in %.0f s at most", session_id, e, lease.ttl_s)
 
     # ------------------------------------------------------------------ verification
 

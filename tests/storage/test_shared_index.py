@@ -10,6 +10,7 @@ transaction the restart cuts fails without committing anything.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -256,6 +257,29 @@ def test_a_store_carries_on_after_the_server_restarts(db_backend: str, home: Pat
         cluster.restart()
         assert [m.content for m in st.messages("s")] == ["before", "after"]
         assert st.load_kv("s").token_ids == ids
+
+
+def test_releasing_a_lease_while_the_server_is_down_is_logged_and_the_lease_lapses(
+        db_backend: str, tmp_path: Path, shared_url: str, request: pytest.FixtureRequest,
+        caplog: pytest.LogCaptureFixture) -> None:
+    if db_backend != "postgres":
+        pytest.skip("stops a PostgreSQL server")
+    cluster = request.getfixturevalue("pg_cluster")
+    with Store(tmp_path / "a", db_url=shared_url, lease_ttl_s=1.0) as a, \
+            Store(tmp_path / "b", db_url=shared_url) as b:
+        a.open_session("s", fingerprint=FP)
+        a.acquire_lease("s")
+        cluster.stop(remove=False)
+        try:
+            with caplog.at_level(logging.WARNING, logger="chatkv.storage.store"):
+                a.release_lease("s")  # a chat closing after its turn was saved: no error for the client
+        finally:
+            cluster.start()
+        assert "could not release the lease on session 's'" in caplog.text
+        assert b.lease_holder("s") in (a.owner, None)  # still a's row, or already lapsed
+        lease = b.acquire_lease("s", timeout_s=30)  # no longer renewed: it lapses and b takes it over
+        assert lease.generation == 2
+        b.release_lease("s")
 
 
 def test_a_write_cut_by_a_restart_fails_and_commits_nothing(db_backend: str, home: Path,
