@@ -106,9 +106,12 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
-        """Size and allocate the block pool for ``loaded`` and attach paged attention."""
+        """Size and allocate the block pool for ``loaded`` and attach paged attention
+        (and keep freed host memory in the process: :mod:`chatkv.allocator`)."""
+        from chatkv.allocator import tune_malloc
         from chatkv.session import SessionManager
 
+        tune_malloc()
         self.loaded = loaded
         self.config = config or EngineConfig()
         if self.config.dtype not in (None, "auto") and parse_dtype(self.config.dtype) != loaded.dtype:

@@ -274,9 +274,12 @@ def load_model(
 
     The loading runs in a short-lived thread (:mod:`chatkv.threads`), so that
     it leaves the caller's thread no OpenMP pool to slow the engine's loop.
+    First, the process's malloc is set to keep freed memory (:mod:`chatkv.allocator`).
     """
+    from chatkv.allocator import tune_malloc
     from chatkv.threads import in_passing_thread
 
+    tune_malloc()
     return in_passing_thread(_load_model, spec, dtype, device)
 
 
