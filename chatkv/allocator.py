@@ -26,7 +26,6 @@ it is; elsewhere than glibc nothing is changed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -64,7 +63,7 @@ def _tune() -> bool:
         log.debug("malloc left as it is (%s=%s)", TUNING_ENV, os.environ[TUNING_ENV])
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would run ldconfig)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # glibc only: musl and macOS have no such symbol
     except (OSError, AttributeError) as e:
