@@ -3,14 +3,16 @@
 Reads a JSON request on stdin (``home``, ``session``, ``user``, ``model``,
 ``dtype``, ``threads``, ``new_tokens``, ``spawned_at`` and optionally
 ``next_session`` and ``idle_s``, the idle seconds before each timed turn as
-in :data:`benchmarks.measure.TURN_GAP_S`), loads the model, opens the session from the store at
-``home``, sends ``user`` and prints one JSON line: time to first token counted
-from ``Chat()`` (``ttft_s``), from the process's spawn
-(``process_to_first_token_s``), the model load time, the restore's seconds and
-bytes, the decode seconds and the generated token ids. With ``next_session``
-(a copy of the same session), the same turn is then timed again on it in the
-same process, its KV read from disk again (the prefix cache emptied first):
-``next_ttft_s``, what the first turn of a fresh process is compared with.
+in :data:`benchmarks.measure.TURN_GAP_S`), loads the model, opens the
+session from the store at ``home``, sends ``user`` and prints one JSON line:
+time to first token counted from ``Chat()`` (``ttft_s``), from the process's
+spawn (``process_to_first_token_s``), the model load time, the restore's
+seconds and bytes, the decode seconds and the generated token ids. With
+``next_session`` (a copy of the same session), the same turn is then timed
+again on it in the same process after the same idle, its KV read from disk
+again (the prefix cache emptied first): ``next_ttft_s`` (with ``next_open_s``,
+``next_first_token_s``, ``next_restore_s``), what the first turn of a fresh
+process is compared with.
 """
 
 from __future__ import annotations
