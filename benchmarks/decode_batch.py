@@ -30,19 +30,15 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def step_ms(engine: Any, batch: int, context: int, steps: int, skip: int) -> float:
     """Median milliseconds per decode step of ``batch`` sequences over ``context`` tokens each (on the loop)."""
-    import torch
-
     from chatkv.runner import StepInput
     from chatkv.sequence import Sequence
 
     def job() -> float:
-        layers, two, _, _, heads, dim = engine.pool.kv.shape
         seqs = []
         try:
             for b in range(batch):
                 seq = Sequence(token_ids=[])
-                ids = [(i * 7 + b) % 5000 + 10 for i in range(context)]
-                engine.pool.write_tokens(seq, ids, torch.zeros((layers, two, context, heads, dim), dtype=engine.pool.kv.dtype))
+                engine.runner.write_placeholder_history(seq, [(i * 7 + b) % 5000 + 10 for i in range(context)])
                 seqs.append(seq)
             times = []
             for _ in range(steps):

@@ -211,6 +211,15 @@ class ModelRunner:
             self.costs.record_prefill(input_ids.shape[1], time.perf_counter() - started)  # type: ignore[union-attr]
         return logits
 
+    def write_placeholder_history(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Append ``token_ids`` to ``seq`` as computed, their K/V zeros written
+        straight into the pool (nothing runs through the model): a history
+        whose values do not matter, for a warm-up or a benchmark that times the
+        steps after it. All-or-nothing like :meth:`BlockPool.write_tokens`."""
+        layers, two, _, _, heads, dim = self.pool.kv.shape
+        kv = torch.zeros((layers, two, len(token_ids), heads, dim), dtype=self.pool.kv.dtype, device=self.device)
+        self.pool.write_tokens(seq, token_ids, kv)
+
     def warm_up_return(self, context_tokens: int, delta_tokens: int, decode_steps: int) -> int:
         """Run a throwaway returning turn: ``context_tokens`` of history whose
         KV is written straight into the pool (zeros: only the shapes matter),
@@ -222,13 +231,10 @@ class ModelRunner:
         total = context_tokens + delta_tokens + decode_steps
         if context_tokens < 1 or delta_tokens < 1 or total > self.pool.num_available * self.pool.block_size:
             return 0
-        layers, two, _, _, heads, dim = self.pool.kv.shape
         ids = [i % 1000 + 1 for i in range(total)]
         seq = Sequence(token_ids=[])
         try:
-            kv = torch.zeros((layers, two, context_tokens, heads, dim), dtype=self.pool.kv.dtype, device=self.device)
-            self.pool.write_tokens(seq, ids[:context_tokens], kv)
-            del kv
+            self.write_placeholder_history(seq, ids[:context_tokens])
             seq.token_ids[:] = ids[: context_tokens + delta_tokens]
             self.forward([StepInput(seq, ids[context_tokens: context_tokens + delta_tokens])])
             for i in range(context_tokens + delta_tokens, total):

@@ -10,11 +10,10 @@ import textwrap
 import pytest
 
 _PROBE = textwrap.dedent("""
-    import ctypes, json, sys
+    import ctypes, json
     from chatkv.allocator import tune_malloc
     first, second = tune_malloc(), tune_malloc()
     libc = ctypes.CDLL("libc.so.6")
-    stats = ctypes.c_size_t()
     # A freed 8 MB block: with the default thresholds glibc unmaps it; tuned, the heap keeps it.
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
