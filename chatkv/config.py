@@ -121,8 +121,12 @@ class EngineConfig:
             wherever Inductor is, ``"off"``/False never. Compiling runs in the
             background after the warm-up (:meth:`Engine.wait_warm` waits for
             it too); steps run uncompiled until it is done, and where it fails.
+            On CUDA, ``"auto"`` and ``"on"`` capture the decode step as CUDA
+            graphs instead (:mod:`chatkv.cuda_graphs`; needs the ``triton``
+            attention backend), on the loop after the warm-up.
         compile_batch_sizes: the decode batch sizes (sequences in one step) that
-            get a compiled graph each; steps of other sizes run uncompiled.
+            get a compiled graph (or a CUDA graph) each; a smaller step runs
+            padded through the next larger size, a larger one uncompiled.
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
             back or lets the next turn recompute it, whichever the engine's

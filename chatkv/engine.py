@@ -39,6 +39,7 @@ from chatkv.config import (
     TierConfig,
 )
 from chatkv.costs import CostModel, resolve_policy
+from chatkv.cuda_graphs import CudaDecodeGraphs, graphs_unavailable
 from chatkv.errors import ConfigError, ContextWindowExceededError, EngineClosedError
 from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
@@ -146,15 +147,27 @@ class Engine:
         if self.config.warmup:
             self.warmed = self.scheduler.submit_job(self._warm_up, "warm-up")
             self.warmed.add_done_callback(_log_warm_up_failure)
-        #: The background compile of the decode step (``EngineConfig.compile``): its
-        #: result is how many batch sizes got a graph (0: none, and the log says why).
+        #: The background compile of the decode step (``EngineConfig.compile``; on
+        #: CUDA, the capture of its CUDA graphs): its result is how many batch
+        #: sizes got a graph (0: none, and the log says why).
         self.compiled: Future[int] = Future()
-        enabled, why = should_compile(parse_compile(self.config.compile), device)
-        if enabled:
-            threading.Thread(target=self._compile, name="chatkv-compile", daemon=True).start()
+        setting = parse_compile(self.config.compile)
+        if device.type == "cuda":
+            why = "compile is off" if setting is False else graphs_unavailable(device, self.backend)
+            if why is None:
+                job = self.scheduler.submit_job(self._capture_graphs, "capture CUDA graphs")
+                job.add_done_callback(lambda f: self.compiled.set_result(
+                    0 if f.cancelled() or f.exception() is not None else f.result()))
+            else:
+                log.info("decode steps are not captured as CUDA graphs: %s", why)
+                self.compiled.set_result(0)
         else:
-            log.debug("the decode step is not compiled: %s", why)
-            self.compiled.set_result(0)
+            enabled, why = should_compile(setting, device)
+            if enabled:
+                threading.Thread(target=self._compile, name="chatkv-compile", daemon=True).start()
+            else:
+                log.debug("the decode step is not compiled: %s", why)
+                self.compiled.set_result(0)
 
     def wait_warm(self, timeout: float | None = None) -> int:
         """Block until the background warm-up and the decode step's compile have
@@ -218,6 +231,29 @@ class Engine:
             n = 0
         finally:
             self.compiled.set_result(n)
+
+    def _capture_graphs(self) -> int:
+        """The capture job (on the loop, after the warm-up): the decode step
+        as a CUDA graph per size of ``EngineConfig.compile_batch_sizes``
+        (:mod:`chatkv.cuda_graphs`), installed in the runner. Returns how many
+        sizes were captured; 0, with the reason in the log, where capture
+        failed or the pool had no block for the pad rows."""
+        pad = self.runner.pad_slot()
+        if pad is None:
+            log.warning("decode steps are not captured as CUDA graphs: the pool has no free block for pad rows")
+            return 0
+        started = time.perf_counter()
+        graphs = CudaDecodeGraphs(self.runner.model, self.config.compile_batch_sizes,
+                                  self.max_context, self.pool.block_size)
+        try:
+            n = graphs.capture(self.pool.kv, self.backend, *pad)
+        except Exception:  # noqa: BLE001 - decode runs as it is; say why
+            log.warning("capturing the decode step as CUDA graphs failed; decode runs as it is", exc_info=True)
+            return 0
+        self.runner.decode_graphs = graphs
+        log.info("decode step captured as CUDA graphs for %d batch size(s) in %.2f s",
+                 n, time.perf_counter() - started)
+        return n
 
     def _warm_up(self) -> int:
         """The warm-up job (on the loop): the chat template and the text bound

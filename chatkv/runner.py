@@ -18,6 +18,7 @@ from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
 from chatkv.compile import DecodeGraphs
 from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
+from chatkv.cuda_graphs import CudaDecodeGraphs
 from chatkv.errors import OutOfBlocksError
 from chatkv.prepack import prepack as prepack_linears
 from chatkv.sequence import Sequence
@@ -55,8 +56,9 @@ class ModelRunner:
         self.backend = backend
         self.costs = costs
         self.device = next(model.parameters()).device
-        #: Compiled decode steps (:mod:`chatkv.compile`), once the engine has built them.
-        self.decode_graphs: "DecodeGraphs | None" = None
+        #: Compiled decode steps (:mod:`chatkv.compile`, or on CUDA the graphs of
+        #: :mod:`chatkv.cuda_graphs`), once the engine has built them.
+        self.decode_graphs: "DecodeGraphs | CudaDecodeGraphs | None" = None
         #: Steps run through :attr:`decode_graphs` so far.
         self.compiled_steps = 0
         #: Calls of :meth:`forward` so far (compiled or not).
@@ -133,18 +135,14 @@ class ModelRunner:
         n = meta.num_seqs
         if size == n:
             return meta, input_ids, position_ids
-        if self._pad is None:
-            seq = Sequence(token_ids=[0])
-            try:
-                slot = self.pool.prepare_write(seq, 1)[0]
-            except OutOfBlocksError:
-                return None
-            self._pad = (seq, slot)
-        seq, slot = self._pad
+        pad = self.pad_slot()
+        if pad is None:
+            return None
+        block, slot = pad
         k, dev = size - n, self.device
         table = torch.zeros((size, meta.block_tables.shape[1]), dtype=meta.block_tables.dtype, device=dev)
         table[:n] = meta.block_tables
-        table[n:, 0] = seq.block_table[0]
+        table[n:, 0] = block
         padded = AttentionMetadata(
             kv=meta.kv,
             slot_mapping=torch.cat([meta.slot_mapping, torch.full((k,), slot, dtype=torch.int64, device=dev)]),
@@ -156,9 +154,24 @@ class ModelRunner:
             max_query_len=1,
             backend=meta.backend,
         )
-        padded.extras["contiguous_start"] = meta.extras["contiguous_start"] + [seq.block_table[0]] * k
+        padded.extras["contiguous_start"] = meta.extras["contiguous_start"] + [block] * k
         zeros = torch.zeros((1, k), dtype=input_ids.dtype, device=dev)
         return padded, torch.cat([input_ids, zeros], 1), torch.cat([position_ids, zeros], 1)
+
+    def pad_slot(self) -> tuple[int, int] | None:
+        """``(block, slot)`` of the runner's pad block: a block taken from the
+        pool on first call and kept, whose first slot pad rows of a step (and
+        the capture of CUDA graphs) write to and read from, so no sequence's
+        KV is touched; None when the pool has no free block for it."""
+        if self._pad is None:
+            seq = Sequence(token_ids=[0])
+            try:
+                slot = self.pool.prepare_write(seq, 1)[0]
+            except OutOfBlocksError:
+                return None
+            self._pad = (seq, slot)
+        seq, slot = self._pad
+        return seq.block_table[0], slot
 
     @torch.inference_mode()
     def forward(self, batch: list[StepInput], all_logits: bool = False) -> torch.Tensor:
