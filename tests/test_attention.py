@@ -147,15 +147,17 @@ def test_model_through_the_triton_backend_matches_stock(arch):
 
     if not TritonBackend.is_available(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: in the interpreter
     model, _ = tiny_model(arch)
-    reference = stock_copy(model)
+    reference = stock_copy(model).to(device)
+    model.to(device)
     cfg = model.config
     pool = BlockPool(32, 8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                     torch.float32, "cpu", "test")
+                     torch.float32, device, "test")
     runner = ModelRunner(model, pool, TritonBackend())
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
-        full = reference(torch.tensor([ids])).logits[0]
+        full = reference(torch.tensor([ids], device=device)).logits[0]
     seq = Sequence(token_ids=list(ids))
     for lo, hi in [(0, 29), (29, 37), (37, 38), (38, 39), (39, 40)]:
         logits = runner.forward([StepInput(seq, ids[lo:hi])])[0]

@@ -230,4 +230,11 @@ def test_cuda_matches_cpu(scheme: str) -> None:
         cpu = dequantize(quantize(x, kind, scheme))
         gpu = dequantize(quantize(x.cuda(), kind, scheme))
         assert gpu.device.type == "cuda"
-        torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-2, rtol=1e-2)
+        if scheme == "fp8":
+            # A value on the edge between two e4m3 steps may round to either on the
+            # two devices (seen on an H200: 9 of 15,360): one step at most (3
+            # mantissa bits), and rarely.
+            torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-2, rtol=2**-3)
+            assert (gpu.cpu() != cpu).float().mean() < 0.01
+        else:
+            torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-2, rtol=1e-2)

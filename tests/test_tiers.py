@@ -245,8 +245,9 @@ def test_cuda_offload_uses_pinned_memory_and_round_trips():
         reload(engine.pool, back, off)
         a = engine.pool.read_tokens(seq, 0, 30)
         b = engine.pool.read_tokens(back, 0, 30)
+        exact = back.exact  # before the release, which resets it
         engine.pool.release(back)
-        return pinned, a, b, back.exact
+        return pinned, a, b, exact
 
     for scheme in ("none", "int8"):
         pinned, a, b, exact = engine.call(lambda: round_trip(scheme))

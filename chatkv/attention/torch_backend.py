@@ -147,7 +147,7 @@ def paged_attention_reference(
             o = F.scaled_dot_product_attention(
                 q.reshape(1, kv_heads, group * q_len, head_dim), k.to(q.dtype), v.to(q.dtype),
                 attn_mask=rows, scale=scale,
-            ).view(1, q_heads, q_len, head_dim)
+            ).reshape(1, q_heads, q_len, head_dim)  # CUDA's SDPA may return a strided layout
         else:
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
