@@ -1,4 +1,4 @@
-"""Batched decode steps, compiled against uncompiled, at several batch sizes.
+"""Batched decode steps, compiled against uncompiled and stock transformers, at several batch sizes.
 
     python -m benchmarks.decode_batch --batches 1,2,3,4,6,8 --graphs 1,2,4,8 --context 1000
 
@@ -9,8 +9,15 @@ the next larger one; larger than all, as it is). On each, for each batch size
 ``B``, ``B`` sequences get ``--context`` tokens of KV written into the pool
 (zeros: the cost of a step does not depend on the values) and then run
 ``--steps`` decode steps together; the figure is the median milliseconds per
-step after the first ``--skip``. Prints a markdown table and writes JSON with
+step after the first ``--skip``. Before both, the stock model (transformers'
+own attention and a DynamicCache) decodes ``B`` sequences of the same length
+(``--no-peer`` leaves it out). Prints a markdown table and writes JSON with
 ``--out``.
+
+On a GPU (``--device cuda``) the "compiled" engine replays CUDA graphs of
+the decode step (:mod:`chatkv.cuda_graphs`) and each step is timed to the
+end of its GPU work. ``--model random:smollm2`` builds SmolLM2-135M's shape
+with random weights, for machines that have no copy of the model.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def step_ms(engine: Any, batch: int, context: int, steps: int, skip: int) -> float:
     """Median milliseconds per decode step of ``batch`` sequences over ``context`` tokens each (on the loop)."""
+    import torch
+
     from chatkv.runner import StepInput
     from chatkv.sequence import Sequence
 
@@ -46,6 +55,8 @@ def step_ms(engine: Any, batch: int, context: int, steps: int, skip: int) -> flo
                     seq.token_ids.append(11)
                 started = time.perf_counter()
                 engine.runner.forward([StepInput(seq, seq.token_ids[-1:]) for seq in seqs])
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
                 times.append(time.perf_counter() - started)
             return statistics.median(times[skip:]) * 1e3
         finally:
@@ -53,6 +64,51 @@ def step_ms(engine: Any, batch: int, context: int, steps: int, skip: int) -> flo
                 engine.pool.discard(seq)
 
     return engine.call(job)
+
+
+def transformers_step_ms(model: Any, batch: int, context: int, steps: int, skip: int) -> float:
+    """Median milliseconds per decode step of the stock model (transformers'
+    own attention, a DynamicCache) for ``batch`` sequences of ``context``
+    tokens each, all of one length so that no padding is needed: the peer."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([[(i * 7 + b) % 5000 + 10 for i in range(context)] for b in range(batch)], device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        token = torch.full((batch, 1), 11, dtype=torch.long, device=device)
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[skip:]) * 1e3
+
+
+#: SmolLM2-135M-Instruct's shape (its config.json), for ``--model random:smollm2``.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                     max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+
+def random_smollm2(dtype: Any, device: str) -> Any:
+    """A :class:`chatkv.models.LoadedModel` of SmolLM2-135M's shape with random
+    weights (the step's cost does not depend on them) and the tiny test tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from chatkv.models import LoadedModel
+    from chatkv.testing import tiny_tokenizer
+
+    config = AutoConfig.for_model("llama", **SMOLLM2_SHAPE)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return LoadedModel(model, tiny_tokenizer(), "SmolLM2-135M shape, random weights", "random", "decode-batch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--skip", type=int, default=5, help="first steps left out of the median")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="a model spec, or random:smollm2")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-peer", action="store_true", help="leave out the stock transformers decode")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     import torch
@@ -76,11 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     from chatkv.models import load_model
 
     batches, graphs = _sizes(args.batches), _sizes(args.graphs)
-    loaded = load_model(args.model, dtype=resolve_dtype(None))
+    dtype = torch.bfloat16 if args.device == "cuda" else resolve_dtype(None)
+    if args.model == "random:smollm2":
+        loaded = random_smollm2(dtype, args.device)
+    else:
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
     rows: dict[str, dict[int, float]] = {}
     compiled_steps: dict[int, int] = {}
-    for name, config in (("uncompiled", EngineConfig(compile="off")),
-                         ("compiled", EngineConfig(compile="on", compile_batch_sizes=graphs))):
+    if not args.no_peer:  # first: an engine switches the model to chatkv's attention
+        rows["transformers"] = {b: transformers_step_ms(loaded.model, b, args.context, args.steps, args.skip)
+                                for b in batches}
+    # A GPU's default pool is most of its memory: size it for the sequences timed here.
+    blocks = 4 * max(batches) * (args.context + args.steps) // 16 + 1024 if args.device == "cuda" else None
+    for name, config in (("uncompiled", EngineConfig(compile="off", num_blocks=blocks)),
+                         ("compiled", EngineConfig(compile="on", compile_batch_sizes=graphs, num_blocks=blocks))):
         engine = Engine(loaded, config)
         try:
             engine.wait_warm()
@@ -95,13 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
     used = {b: min((g for g in graphs if g >= b), default=None) for b in batches}
-    print(f"ms per decode step, {loaded.name}, {args.context} tokens of context per sequence, {args.threads} threads")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
+    print(f"ms per decode step, {loaded.name}, {loaded.dtype}, {args.context} tokens of context per sequence, "
+          f"{where}")
     print("| B | " + " | ".join(str(b) for b in batches) + " |")
     print("| --- |" + " ---: |" * len(batches))
     print("| uncompiled | " + " | ".join(f"{rows['uncompiled'][b]:.1f}" for b in batches) + " |")
     print("| compiled (graph) | " + " | ".join(
         f"{rows['compiled'][b]:.1f} ({used[b] if used[b] else 'none'})" for b in batches) + " |")
     print("| ratio | " + " | ".join(f"{rows['uncompiled'][b] / rows['compiled'][b]:.2f}x" for b in batches) + " |")
+    if "transformers" in rows:
+        print("| transformers (DynamicCache) | " + " | ".join(f"{rows['transformers'][b]:.1f}" for b in batches) + " |")
+        print("| transformers / compiled | " + " | ".join(
+            f"{rows['transformers'][b] / rows['compiled'][b]:.2f}x" for b in batches) + " |")
     write_json(args.out, {"model": loaded.name, "context": args.context, "threads": args.threads, "graphs": graphs,
                           "graph_used": used, "compiled_steps": compiled_steps, "ms_per_step": rows})
     return 0

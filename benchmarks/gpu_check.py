@@ -14,6 +14,7 @@ interpreter, to check the script itself without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -50,13 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop timing FlexAttention (compiles per batch size) after this")
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the full sweep)")
+    p.add_argument("--contexts", default=None, help="comma-separated context lengths (default: the full sweep)")
     return p.parse_args(argv)
 
 
 args = parse_args()
 if args.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-sys.path.insert(0, str(ROOT))
+# Appended, not prepended: an installed chatkv (whose chatkv.storage is the
+# checkout's storage/ folder) comes first; the checkout's chatkv/ is the fallback.
+sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 
@@ -140,6 +145,10 @@ def main() -> int:
         print("no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
         return 2
     shape = DRY_SHAPE if args.dry_run else GPU_SHAPE
+    if args.batches:
+        shape = dataclasses.replace(shape, batches=[int(b) for b in args.batches.split(",")])
+    if args.contexts:
+        shape = dataclasses.replace(shape, contexts=[int(c) for c in args.contexts.split(",")])
     dtype = torch.bfloat16
     esize = torch.finfo(dtype).bits // 8
     timer = Timer(device, 3 if args.dry_run else args.iters)

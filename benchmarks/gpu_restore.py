@@ -10,7 +10,7 @@ parameters). For each history length it measures, with CUDA events:
 
 Prints a Markdown table (also written to ``$OUT/gpu_restore.md``). ``--dry-run``
 runs the same code on the CPU with a tiny model. Needs torch, transformers and
-triton; not SQLAlchemy.
+triton, and chatkv installed (its storage imports SQLAlchemy; gpu_check.sh installs it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# Appended, not prepended: an installed chatkv (whose chatkv.storage is the
+# checkout's storage/ folder) comes first; the checkout's chatkv/ is the fallback.
+sys.path.append(str(ROOT))
 
 
 def parse_args() -> argparse.Namespace:
