@@ -133,8 +133,10 @@ def test_decode_batch_times_compiled_and_padded_steps_against_uncompiled(tmp_pat
     out = tmp_path / "decode_batch.json"
     assert main(["--model", "tiny:llama", "--batches", "1,3,5", "--graphs", "1,4", "--context", "40",
                  "--steps", "4", "--skip", "1", "--out", str(out)]) == 0
-    assert "| compiled (graph) | " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| compiled (graph) | " in printed and "| transformers / compiled | " in printed
     r = json.loads(out.read_text())
     assert r["graph_used"] == {"1": 1, "3": 4, "5": None}  # 3 runs padded through 4; 5 as it is
     assert r["compiled_steps"] == {"1": 4, "3": 4, "5": 0}
-    assert all(r["ms_per_step"][k][b] > 0 for k in ("uncompiled", "compiled") for b in ("1", "3", "5"))
+    assert all(r["ms_per_step"][k][b] > 0 for k in ("uncompiled", "compiled", "transformers")
+               for b in ("1", "3", "5"))
