@@ -70,11 +70,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def engine(fmt: str) -> Engine:
         tiers = TierConfig(disk_format=fmt, fidelity_floors=floors)
-        # One engine per open (a pool that never held the session: every restore reads the files);
-        # no warm-up and no compile, so that nothing queues before the restore on the
-        # loop or competes with it for the cores.
-        return Engine(loaded, EngineConfig(kv_budget_bytes=budget, tiers=tiers, restore_policy="restore",
-                                           warmup=False, compile=False))
+        # One engine per open (a pool that never held the session: every restore reads the
+        # files), in the state a new process's engine is in when its first turn comes: its
+        # warm-up done (which commits the pool's first pages: a restore into fresh pages
+        # would time the kernel's page faults, not chatkv), nothing left on the loop; no
+        # compile, which would compete with the restore for the cores.
+        e = Engine(loaded, EngineConfig(kv_budget_bytes=budget, tiers=tiers, restore_policy="restore",
+                                        compile=False))
+        e.wait_warm()
+        return e
 
     history = _history(loaded.tokenizer, args.tokens)
     budget = 4 * args.tokens * 46_080 * (1 if args.dtype == "float32" else 2) // 2 + (16 << 20)

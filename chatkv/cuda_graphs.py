@@ -90,6 +90,12 @@ class CudaDecodeGraphs:
         ``pad_slot`` of ``pad_block``, a block no sequence uses. Runs on the
         loop that owns the pool; returns how many sizes are ready. Raises
         whatever capturing raises (nothing is installed then)."""
+        if pool_kv.device.type == "cuda":
+            with torch.cuda.device(pool_kv.device):  # graphs and their memory pool on the pool's GPU
+                return self._capture(pool_kv, backend, pad_block, pad_slot)
+        return self._capture(pool_kv, backend, pad_block, pad_slot)
+
+    def _capture(self, pool_kv: torch.Tensor, backend: AttentionBackend, pad_block: int, pad_slot: int) -> int:
         device = pool_kv.device
         widest = max(self.batch_sizes)
         self._ids = torch.zeros((1, widest), dtype=torch.long, device=device)
