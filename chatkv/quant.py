@@ -396,8 +396,8 @@ def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: T
     ``[...]`` per row, None for the cast schemes) into ``out``, a tensor of the
     same shape in any float dtype, strided or not (a slice of the block pool):
     the same values, bit for bit, as :func:`dequantize` then ``.to(out.dtype)``,
-    in one pass with no full-precision copy in between (int8: one fused
-    multiply). For the :data:`ROWWISE_SCHEMES`.
+    with no full-precision copy in between: a widening copy into ``out``, then
+    (int8, fp8) the scales multiplied in place. For the :data:`ROWWISE_SCHEMES`.
 
     Raises:
         ValueError: ``scheme`` is not row-wise.
@@ -406,7 +406,12 @@ def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: T
         out.copy_(data)
     elif scheme == "int8":
         assert scale is not None
-        torch.mul(data, scale.unsqueeze(-1), out=out)  # computed in float32, rounded once to out's dtype
+        # Two passes, each vectorized: a mixed-dtype torch.mul(data, scale, out=out)
+        # took 6.6x as long here (29.7 against 4.5 ms for 85 MB of float32). int8
+        # fits every float dtype exactly, so the product is computed in float32 and
+        # rounded once to out's dtype, bit for bit what that mul gave.
+        out.copy_(data)
+        out.mul_(scale.unsqueeze(-1))
     elif scheme == "fp8":
         assert scale is not None
         # float8 does not promote: widen into out exactly (e4m3 fits every float

@@ -34,7 +34,7 @@ def test_pack_round_trip_keeps_the_partial_block_exact(scheme: str) -> None:
         unpack(tensors, scheme, 4, (3, 2, 24, 2, 8), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_unpacking_into_pool_slices_writes_what_unpack_returns(scheme: str, dtype: torch.dtype) -> None:
     kv = (3 * torch.randn(3, 2, 37, 2, 16, generator=torch.Generator().manual_seed(2))).to(dtype)
