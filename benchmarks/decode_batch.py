@@ -142,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[int, float]] = {}
     compiled_steps: dict[int, int] = {}
     if not args.no_peer:  # first: an engine switches the model to chatkv's attention
-        rows["transformers"] = {b: transformers_step_ms(loaded.model, b, args.context, args.steps, args.skip)
+        from chatkv.threads import in_passing_thread
+
+        # In a thread that exits when done: its OpenMP pool goes with it. Run on the
+        # main thread, that pool and the engine loop's together outnumber the cores,
+        # and libgomp's throttled workers made chatkv's steps 1.5x to 2x slower
+        # (chatkv/threads.py).
+        rows["transformers"] = {b: in_passing_thread(transformers_step_ms, loaded.model, b, args.context,
+                                                     args.steps, args.skip)
                                 for b in batches}
     # A GPU's default pool is most of its memory: size it for the sequences timed here.
     blocks = 4 * max(batches) * (args.context + args.steps) // 16 + 1024 if args.device == "cuda" else None
