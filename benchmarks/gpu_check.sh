@@ -74,7 +74,7 @@ echo "pytest exit code: $test_rc"
 if [[ "${1:-}" != "--dry-run" ]]; then
     echo "== 2. decode steps, CUDA graphs against the model as it is (benchmarks/decode_batch.py) =="
     timeout 150 "$PY" -P -m benchmarks.decode_batch --device cuda --model random:smollm2 \
-        --batches 1,2,3,4,8,16 --graphs 1,2,4,8 --context 1000 --steps 40 --skip 10 \
+        --batches 1,2,3,4,8,16,32 --graphs 1,2,4,8,16 --context 1000 --steps 40 --skip 10 \
         --out "$LOG_DIR/decode_batch.json" 2>&1 | tee "$LOG_DIR/decode_batch.md" || status=1
 fi
 
