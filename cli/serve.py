@@ -146,8 +146,9 @@ def make_server(app: Any, *, drain_timeout: float, log_level: str) -> "uvicorn.S
 @dtype_option
 @compile_option
 @click.option("--compile-batch-sizes", default="1,2,4,8", show_default=True, type=BatchSizes(),
-              help="Decode batch sizes to compile a graph for; a step of fewer sequences runs padded "
-                   "through the next larger one (each size is one more compile in the background).")
+              help="Decode batch sizes to compile a graph for (a CUDA graph on a GPU); a step of fewer "
+                   "sequences runs padded through the next larger one (each size is one more compile in "
+                   "the background).")
 @kv_quant_option
 @disk_format_option
 @click.option("--kv-budget", default=None, type=Size(),
