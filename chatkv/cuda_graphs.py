@@ -1,10 +1,12 @@
 """Decode steps replayed from CUDA graphs, one graph per batch size.
 
 On a GPU a decode step of a small model is bound by kernel launches, not by
-the GPU: each of SmolLM2's 30 layers launches some twenty kernels, each a few
-microseconds of Python and driver time, while the GPU's own work for one
-token is shorter than that. A CUDA graph records a whole step's launches once
-and replays them with one call, as vLLM, SGLang and nano-vllm do for decode.
+the GPU: SmolLM2's 30 layers launch about 600 kernels per step, each costing
+tens of microseconds of Python and driver time, while the GPU's own work for
+a token is far shorter. A CUDA graph records a whole step's launches once and
+replays them with one call, as vLLM, SGLang and nano-vllm do for decode. On an
+H200 that took a SmolLM2-shaped step from 40 ms to 3 ms
+(``benchmarks/decode_batch.py --device cuda``).
 
 A graph replays the same kernels on the same memory, so everything a decode
 step reads lives in static buffers that this module owns: the token ids,

@@ -10,31 +10,27 @@ tests need CUDA and skip elsewhere.
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton is imported: triton.jit reads it at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from chatkv import Chat, EngineConfig
+from chatkv.attention import TorchBackend
+from chatkv.block_pool import BlockPool
+from chatkv.cuda_graphs import CudaDecodeGraphs, graphs_unavailable
+from chatkv.engine import Engine
+from chatkv.models import load_model
+from chatkv.runner import ModelRunner, StepInput
+from chatkv.sequence import Sequence
+from chatkv.testing import tiny_model
 
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # without CUDA, tests/conftest.py has turned Triton's interpreter on
 
-from chatkv import Chat, EngineConfig  # noqa: E402
-from chatkv.attention import TorchBackend  # noqa: E402
 from chatkv.attention.triton_backend import TritonBackend  # noqa: E402
-from chatkv.block_pool import BlockPool  # noqa: E402
-from chatkv.cuda_graphs import CudaDecodeGraphs, graphs_unavailable  # noqa: E402
-from chatkv.engine import Engine  # noqa: E402
-from chatkv.models import load_model  # noqa: E402
-from chatkv.runner import ModelRunner, StepInput  # noqa: E402
-from chatkv.sequence import Sequence  # noqa: E402
-from chatkv.testing import tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
+if not TritonBackend.is_available(DEVICE):
+    pytest.skip("Triton cannot run here (no CUDA, interpreter off)", allow_module_level=True)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 cuda = pytest.mark.cuda
 TOL = dict(atol=1e-4, rtol=1e-4)
