@@ -32,10 +32,10 @@ keeps running the model as it is, and says why in the log.
 
 The compiled step computes the same function with operators fused: its
 logits differ from the eager step's in the last bits (float rounding), and
-the greedy tokens in all the equivalence tests are the same. This module
-compiles on the CPU only: on CUDA the engine captures the decode step as CUDA
-graphs instead (:mod:`chatkv.cuda_graphs`), which removes the per-kernel launch
-cost that dominates a GPU's decode step.
+the greedy tokens in all the equivalence tests are the same. ``"auto"``
+compiles on the CPU only. On CUDA this module never compiles: the engine
+captures the decode step as CUDA graphs instead (:mod:`chatkv.cuda_graphs`),
+which removes the per-kernel launch cost that dominates a GPU's decode step.
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ def should_compile(setting: "str | bool", device: torch.device) -> tuple[bool, s
     why = unavailable(device)
     if why is not None:
         return False, why
-    if device.type != "cpu":
+    if device.type == "cuda":
         return False, "on CUDA the decode step is captured as CUDA graphs instead (chatkv.cuda_graphs)"
+    if setting == "auto" and device.type != "cpu":
+        return False, "compile='auto' compiles on the CPU only"
     return True, "compiling"
 
 
