@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check for chatkv, for a machine with one NVIDIA GPU and no network; about
-# 6 minutes. In order:
+# GPU check for chatkv, for a machine with one NVIDIA GPU and no network; at most
+# 14 minutes (the sum of its timeouts), about 5 on an H200. In order:
 #   1. the CUDA tests: the Triton kernels (tests/test_triton_kernels.py), a model
 #      through them, decode steps replayed from CUDA graphs (tests/test_cuda_graphs.py),
 #      pinned offload and quantization on CUDA;
 #   2. decode steps per batch size, CUDA graphs against the model run as it is
 #      (benchmarks/decode_batch.py, SmolLM2-135M's shape with random weights);
 #   3. decode attention against copy bandwidth up to 32k context (benchmarks/gpu_check.py);
-#   4. a session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py).
+#   4. a session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py);
+#   5. the engine-level test files whose engines default to the GPU when there is
+#      one (chats, persistence, tiers, editing, context policies, the scheduler).
 # Tables and logs go to $OUT when it is set.
 #
 #   benchmarks/gpu_check.sh            # on the GPU machine
@@ -54,7 +56,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
 else
     unset TRITON_INTERPRET
     DRY=()
-    TEST_TIMEOUT=240
+    TEST_TIMEOUT=200
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         || { echo "no CUDA device visible (use --dry-run on a CPU)"; exit 2; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
@@ -88,4 +90,13 @@ fi
 
 echo "== 4. session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py) =="
 timeout 150 "$PY" benchmarks/gpu_restore.py "${DRY[@]}" || status=1
+
+if [[ "${1:-}" != "--dry-run" ]]; then  # on a CPU these run in the test suite itself
+    echo "== 5. engine-level tests, engines on the GPU by default =="
+    timeout 150 "$PY" -P -m pytest -q -p no:cacheprovider -m "not smollm2" --maxfail=20 \
+        tests/test_chat.py tests/test_persistence.py tests/test_tiers.py tests/test_editing.py \
+        tests/test_context.py tests/test_sink.py tests/test_scheduler.py tests/test_streaming_and_sampling.py \
+        2>&1 | tee "$LOG_DIR/gpu_check_engine_tests.log" | tail -40
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
 exit $status
