@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for chatkv, for a machine with one NVIDIA GPU and no network; at most
-# 14 minutes (the sum of its timeouts), about 5 on an H200. In order:
+# 16 minutes (the sum of its timeouts), about 6 on an H200. In order:
 #   1. the CUDA tests: the Triton kernels (tests/test_triton_kernels.py), a model
 #      through them, decode steps replayed from CUDA graphs (tests/test_cuda_graphs.py),
 #      pinned offload and quantization on CUDA;
 #   2. decode steps per batch size, CUDA graphs against the model run as it is
 #      (benchmarks/decode_batch.py, SmolLM2-135M's shape with random weights);
 #   3. decode attention against copy bandwidth up to 32k context (benchmarks/gpu_check.py);
-#   4. a session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py);
+#   4. a session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py),
+#      and from disk: restore or recompute, as each session's choice (benchmarks/restore_choice.py);
 #   5. the engine-level test files whose engines default to the GPU when there is
 #      one (chats, persistence, tiers, editing, context policies, the scheduler).
 # Tables and logs go to $OUT when it is set.
@@ -90,6 +91,10 @@ fi
 
 echo "== 4. session restore from pinned host memory vs re-prefill (benchmarks/gpu_restore.py) =="
 timeout 150 "$PY" benchmarks/gpu_restore.py "${DRY[@]}" || status=1
+if [[ "${1:-}" != "--dry-run" ]]; then  # restore or recompute from disk, chosen per session on the GPU
+    timeout 120 "$PY" -P -m benchmarks.restore_choice --device cuda --model random:smollm2 \
+        --tokens 256,1024,4096,8000 --repeats 3 --out "$LOG_DIR/restore_choice.json" || status=1
+fi
 
 if [[ "${1:-}" != "--dry-run" ]]; then  # on a CPU these run in the test suite itself
     echo "== 5. engine-level tests, engines on the GPU by default =="

@@ -140,3 +140,17 @@ def test_decode_batch_times_compiled_and_padded_steps_against_uncompiled(tmp_pat
     assert r["compiled_steps"] == {"1": 4, "3": 4, "5": 0}
     assert all(r["ms_per_step"][k][b] > 0 for k in ("uncompiled", "compiled", "transformers")
                for b in ("1", "3", "5"))
+
+
+def test_restore_choice_reports_the_choice_its_reason_and_both_forced_times(tmp_path: Path, capsys) -> None:
+    from benchmarks.restore_choice import main
+
+    out = tmp_path / "restore_choice.json"
+    assert main(["--model", "tiny:llama", "--tokens", "40,300", "--repeats", "1", "--out", str(out)]) == 0
+    assert "| choice (auto) |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows) and rows[0]["tokens"] >= 30
+    for r in rows:
+        assert r["decision"] in ("restore", "recompute") and "predicted" in r["reason"]
+        assert all(r["ttft_s"][m] > 0 for m in ("auto", "restore", "recompute"))
+        assert r["right"] == (r["faster"] in ("either", r["decision"]))
