@@ -111,6 +111,19 @@ def random_smollm2(dtype: Any, device: str) -> Any:
     return LoadedModel(model, tiny_tokenizer(), "SmolLM2-135M shape, random weights", "random", "decode-batch")
 
 
+def load_benchmark_model(spec: str, device: str) -> Any:
+    """The model a benchmark runs: ``spec`` (``"default"``, a model spec, or
+    ``random:smollm2``: see :func:`random_smollm2`) on ``device``, in chatkv's
+    dtype for that device (:func:`chatkv.hardware.resolve_dtype`)."""
+    from chatkv.hardware import resolve_dtype
+    from chatkv.models import load_model
+
+    dtype = resolve_dtype(None, device)
+    if spec == "random:smollm2":
+        return random_smollm2(dtype, device)
+    return load_model(None if spec == "default" else spec, dtype=dtype, device=device)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the table, write ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -130,15 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from chatkv.config import EngineConfig
     from chatkv.engine import Engine
-    from chatkv.hardware import resolve_dtype
-    from chatkv.models import load_model
 
     batches, graphs = _sizes(args.batches), _sizes(args.graphs)
-    dtype = torch.bfloat16 if args.device == "cuda" else resolve_dtype(None)
-    if args.model == "random:smollm2":
-        loaded = random_smollm2(dtype, args.device)
-    else:
-        loaded = load_model(args.model, dtype=dtype, device=args.device)
+    loaded = load_benchmark_model(args.model, args.device)
     rows: dict[str, dict[int, float]] = {}
     compiled_steps: dict[int, int] = {}
     if not args.no_peer:  # first: an engine switches the model to chatkv's attention

@@ -56,20 +56,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
+    from benchmarks.decode_batch import load_benchmark_model
     from benchmarks.replay import timed_turn
     from chatkv import Chat, EngineConfig
     from chatkv.engine import Engine
-    from chatkv.hardware import resolve_dtype
-    from chatkv.models import load_model
     from chatkv.storage import Store
 
-    if args.model == "random:smollm2":
-        from benchmarks.decode_batch import random_smollm2
-
-        loaded = random_smollm2(torch.bfloat16 if args.device == "cuda" else resolve_dtype(None), args.device)
-    else:
-        loaded = load_model(None if args.model == "default" else args.model, dtype=resolve_dtype(None),
-                            device=args.device)
+    loaded = load_benchmark_model(args.model, args.device)
     # A GPU's default pool is most of its memory: a few times the longest session is enough here.
     blocks = 8 * (max(args.tokens) + 256) // 16 + 256 if args.device == "cuda" else None
     engine = Engine(loaded, EngineConfig(restore_policy="auto", compile=False, num_blocks=blocks))
@@ -130,7 +123,7 @@ def render(result: dict[str, Any]) -> str:
         t = r["ttft_s"]
         lines.append(f"| {r['tokens']} | {r['decision']} | {t['auto'] * 1e3:.1f} ms | {t['restore'] * 1e3:.1f} ms | "
                      f"{t['recompute'] * 1e3:.1f} ms | {r['margin']:.2f}x | "
-                     f"{'level (within 10%)' if r['faster'] == 'either' else 'yes' if r['right'] else 'no'} | "
+                     f"{f'level (within {TIE:.0%})' if r['faster'] == 'either' else 'yes' if r['right'] else 'no'} | "
                      f"{r['reason']} |")
     return "\n".join(lines)
 
