@@ -25,7 +25,7 @@ import torch
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
-from chatkv.compile import DecodeGraphs, parse_compile, should_compile
+from chatkv.compile import DecodeGraphs, PrefillGraph, parse_compile, should_compile
 from chatkv.config import (
     WARMUP_CONTEXT_TOKENS,
     WARMUP_DECODE_STEPS,
@@ -147,8 +147,9 @@ class Engine:
         if self.config.warmup:
             self.warmed = self.scheduler.submit_job(self._warm_up, "warm-up")
             self.warmed.add_done_callback(_log_warm_up_failure)
-        #: The background compile of the decode step (``EngineConfig.compile``; on
-        #: CUDA, the capture of its CUDA graphs): its result is how many batch
+        #: The background compile of the decode step and then the prefill step
+        #: (``EngineConfig.compile``; on CUDA, the capture of the decode step's
+        #: CUDA graphs), done when both are: its result is how many decode batch
         #: sizes got a graph (0: none, and the log says why).
         self.compiled: Future[int] = Future()
         setting = parse_compile(self.config.compile)
@@ -184,12 +185,14 @@ class Engine:
         return n
 
     def _compile(self) -> None:
-        """The compile thread: after the warm-up, compile the decode step
-        (:mod:`chatkv.compile`) away from the loop, then hand the graphs to the
-        runner with a loop job. Its OpenMP pool goes when it ends. A failure
-        while the model ran beside it is tried again (:data:`COMPILE_ATTEMPTS`);
-        a last failure is logged and the engine runs uncompiled. :attr:`compiled`
-        always completes."""
+        """The compile thread: after the warm-up, compile the decode step and
+        then (``EngineConfig.compile_prefill``) the one-sequence prefill step
+        (:mod:`chatkv.compile`) away from the loop, handing each to the runner
+        with a loop job as soon as it is ready. Its OpenMP pool goes when it
+        ends. A failure while the model ran beside it is tried again
+        (:data:`COMPILE_ATTEMPTS`); a last failure is logged and those steps
+        run uncompiled (the prefill is not tried where the decode step failed).
+        :attr:`compiled` always completes, after both."""
         n = 0
         try:
             if self.warmed is not None:
@@ -197,40 +200,71 @@ class Engine:
                     self.warmed.result()
                 except Exception:  # noqa: BLE001 - logged by _log_warm_up_failure; compile anyway
                     pass
-            for attempt in range(1, COMPILE_ATTEMPTS + 1):
-                # Dynamo holds the GIL for most of a compile, and a turn's steps beside
-                # it ran about 4x slower: start between turns (a turn that arrives
-                # during the compile still shares the process with it).
-                while not self.scheduler.closed and not self.call(self.scheduler.idle, "idle?"):
-                    time.sleep(COMPILE_IDLE_POLL_S)
-                if self.scheduler.closed:
-                    return
-                started = time.perf_counter()
-                forwards = self.runner.forward_calls
-                try:
-                    graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
-                    n = graphs.build(self.pool.kv, self.backend)
-                except Exception:
-                    if self.runner.forward_calls == forwards or attempt == COMPILE_ATTEMPTS:
-                        raise
-                    log.warning("compiling the decode step failed while the model ran beside it (attempt %d "
-                                "of %d); trying again when the engine is idle", attempt, COMPILE_ATTEMPTS,
-                                exc_info=True)
-                    continue
-
-                def install() -> None:
-                    self.runner.decode_graphs = graphs
-
-                self.scheduler.submit_job(install, "install compiled decode").result()
-                log.info("decode step compiled for %d batch size(s) in %.1f s", n, time.perf_counter() - started)
+            try:
+                graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
+                n = self._compile_when_idle("the decode step", lambda: graphs.build(self.pool.kv, self.backend))
+            except EngineClosedError:
+                raise
+            except Exception:  # noqa: BLE001 - the engine runs uncompiled; say why
+                log.warning("compiling the decode step failed; decode runs uncompiled", exc_info=True)
+                n = 0
                 return
+            if n is None:
+                n = 0
+                return
+
+            def install() -> None:
+                self.runner.decode_graphs = graphs
+
+            self.scheduler.submit_job(install, "install compiled decode").result()
+            if not self.config.compile_prefill:
+                return
+            prefill = PrefillGraph(self.runner.model)
+            try:
+                if self._compile_when_idle("the prefill step", lambda: prefill.build(self.pool.kv, self.backend)) \
+                        is None:
+                    return
+            except EngineClosedError:
+                raise
+            except Exception:  # noqa: BLE001 - prefill runs uncompiled; say why
+                log.warning("compiling the prefill step failed; prefill runs uncompiled", exc_info=True)
+                return
+
+            def install_prefill() -> None:
+                self.runner.prefill_graph = prefill
+
+            self.scheduler.submit_job(install_prefill, "install compiled prefill").result()
         except EngineClosedError:
-            n = 0
-        except Exception:  # noqa: BLE001 - the engine runs uncompiled; say why
-            log.warning("compiling the decode step failed; decode runs uncompiled", exc_info=True)
             n = 0
         finally:
             self.compiled.set_result(n)
+
+    def _compile_when_idle(self, what: str, build: Callable[[], T]) -> "T | None":
+        """Run ``build`` (a compile) in this thread once the engine is idle,
+        up to :data:`COMPILE_ATTEMPTS` times where it fails while a turn ran
+        beside it; returns its result, or None when the engine closed first.
+        Raises the last failure."""
+        for attempt in range(1, COMPILE_ATTEMPTS + 1):
+            # Dynamo holds the GIL for most of a compile, and a turn's steps beside
+            # it ran about 4x slower: start between turns (a turn that arrives
+            # during the compile still shares the process with it).
+            while not self.scheduler.closed and not self.call(self.scheduler.idle, "idle?"):
+                time.sleep(COMPILE_IDLE_POLL_S)
+            if self.scheduler.closed:
+                return None
+            started = time.perf_counter()
+            forwards = self.runner.forward_calls
+            try:
+                result = build()
+            except Exception:
+                if self.runner.forward_calls == forwards or attempt == COMPILE_ATTEMPTS:
+                    raise
+                log.warning("compiling %s failed while the model ran beside it (attempt %d of %d); trying "
+                            "again when the engine is idle", what, attempt, COMPILE_ATTEMPTS, exc_info=True)
+                continue
+            log.info("%s compiled in %.1f s", what, time.perf_counter() - started)
+            return result
+        return None
 
     def _capture_graphs(self) -> int:
         """The capture job (on the loop, after the warm-up): the decode step

@@ -16,7 +16,7 @@ import torch
 
 from chatkv.attention import AttentionBackend, AttentionMetadata, attach
 from chatkv.block_pool import BlockPool
-from chatkv.compile import DecodeGraphs
+from chatkv.compile import DecodeGraphs, PrefillGraph
 from chatkv.costs import MIN_PREFILL_TOKENS, CostModel
 from chatkv.cuda_graphs import CudaDecodeGraphs
 from chatkv.errors import OutOfBlocksError
@@ -61,6 +61,11 @@ class ModelRunner:
         self.decode_graphs: "DecodeGraphs | CudaDecodeGraphs | None" = None
         #: Steps run through :attr:`decode_graphs` so far.
         self.compiled_steps = 0
+        #: One-sequence prefill steps compiled with a dynamic token count
+        #: (:class:`chatkv.compile.PrefillGraph`), once the engine has built it.
+        self.prefill_graph: PrefillGraph | None = None
+        #: Steps run through :attr:`prefill_graph` so far.
+        self.compiled_prefills = 0
         #: Calls of :meth:`forward` so far (compiled or not).
         self.forward_calls = 0
         #: The pad rows' sequence and slot (:meth:`pad_step`), once a step needed them.
@@ -181,7 +186,8 @@ class ModelRunner:
 
         On success each sequence's ``num_computed`` advances by its token count
         and newly filled blocks are hashed for prefix sharing. A decode step of
-        a batch size :attr:`decode_graphs` covers runs through that graph.
+        a batch size :attr:`decode_graphs` covers runs through that graph, a
+        one-sequence prefill through :attr:`prefill_graph` where it is built.
 
         Returns:
             ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
@@ -199,6 +205,10 @@ class ModelRunner:
             logits = graphs.run(*padded)[0, : len(batch)].float()  # type: ignore[union-attr]
             self.compiled_steps += 1
             n_last = len(batch)
+        elif self.prefill_graph is not None and self.prefill_graph.covers(meta, all_logits):
+            logits = self.prefill_graph.run(meta, input_ids, position_ids)[0].float()
+            self.compiled_prefills += 1
+            n_last = 1
         else:
             if all_logits:
                 last = torch.arange(input_ids.shape[1], device=self.device)

@@ -209,5 +209,68 @@ def test_smollm2_compiled_greedy_replies_match_stock_transformers(smollm2, smoll
         chat.send(text)
         assert chat.last_stats.token_ids == want, f"turn {turn}"
     assert engine.runner.compiled_steps >= 3 * 20
+    assert engine.runner.compiled_prefills >= len(TURNS)  # each turn's new message ran through the prefill graph
+    chat.close()
+    engine.close()
+
+
+@needs_inductor
+def test_compiled_prefill_steps_compute_what_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Any step the one prefill graph did not cover would compile again: fail instead.
+    monkeypatch.setattr("chatkv.compile.RUN_STANCE", "fail_on_recompile")
+    loaded = load_model("tiny:llama")
+    lengths = [2, 3, 9, 17, 40]  # new tokens per step: fresh prompts, then returning turns over their KV
+
+    def run(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        runner = engine.runner
+
+        def job() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            seq = Sequence(token_ids=[])
+            logits = []
+            try:
+                for i, n in enumerate(lengths * 2):
+                    new = [(7 * i + 3 * j) % 200 + 5 for j in range(n)]
+                    seq.token_ids.extend(new)
+                    logits.append(runner.forward([StepInput(seq, new)]).clone())
+                kv = [runner.pool.kv[:, :, b].clone() for b in seq.block_table]
+                return logits, kv
+            finally:
+                runner.pool.discard(seq)
+
+        return engine.call(job)
+
+    compiled = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile="on"))
+    compiled.wait_warm(timeout=600)
+    assert compiled.compiled.result() == 1 and compiled.runner.prefill_graph is not None
+    before = compiled.runner.compiled_prefills
+    got, got_kv = run(compiled)
+    assert compiled.runner.compiled_prefills - before == 2 * len(lengths)  # every step ran through the graph
+    teacher = _decode_logits(compiled, [5, 6, 7], [8, 9])  # a decode step and all-logits runs are not prefill
+    assert compiled.runner.compiled_prefills - before == 2 * len(lengths) + 1  # only the 3-token prompt
+    compiled.close()
+
+    plain = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile="off"))
+    want, want_kv = run(plain)
+    assert plain.runner.prefill_graph is None
+    plain.close()
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape == (1, w.shape[-1])
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert len(got_kv) == len(want_kv)
+    for g, w in zip(got_kv, want_kv):  # the KV it wrote into the pool is the model's
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert len(teacher) == 2
+
+
+@needs_inductor
+def test_an_engine_told_not_to_compile_prefill_compiles_decode_only() -> None:
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on",
+                                                           compile_prefill=False))
+    engine.wait_warm(timeout=600)
+    assert engine.compiled.result() == 1 and engine.runner.decode_graphs is not None
+    assert engine.runner.prefill_graph is None
+    chat = Chat("c", engine=engine, persist=False, max_new_tokens=4)
+    chat.send("hello there")
+    assert engine.runner.compiled_prefills == 0 and engine.runner.compiled_steps > 0
     chat.close()
     engine.close()
