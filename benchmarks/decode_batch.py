@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     # A GPU's default pool is most of its memory: size it for the sequences timed here.
     blocks = 4 * max(batches) * (args.context + args.steps) // 16 + 1024 if args.device == "cuda" else None
     for name, config in (("uncompiled", EngineConfig(compile="off", num_blocks=blocks)),
-                         ("compiled", EngineConfig(compile="on", compile_batch_sizes=graphs, num_blocks=blocks))):
+                         ("compiled", EngineConfig(compile="on", compile_batch_sizes=graphs, compile_prefill=False,
+                                                    num_blocks=blocks))):
         engine = Engine(loaded, config)
         try:
             engine.wait_warm()

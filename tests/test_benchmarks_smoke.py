@@ -154,3 +154,19 @@ def test_restore_choice_reports_the_choice_its_reason_and_both_forced_times(tmp_
         assert r["decision"] in ("restore", "recompute") and "predicted" in r["reason"]
         assert all(r["ttft_s"][m] > 0 for m in ("auto", "restore", "recompute"))
         assert r["right"] == (r["faster"] in ("either", r["decision"]))
+
+
+def test_prefill_step_times_the_compiled_graph_against_the_model_and_the_peer(tmp_path: Path, capsys) -> None:
+    from chatkv.compile import unavailable
+
+    if unavailable(__import__("torch").device("cpu")) is not None:
+        pytest.skip("cannot compile here")
+    from benchmarks.prefill_step import main
+
+    out = tmp_path / "prefill_step.json"
+    assert main(["--model", "tiny:llama", "--context", "30", "--tokens", "3,17", "--repeats", "3",
+                 "--out", str(out)]) == 0
+    assert "| transformers / compiled | " in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["compiled_steps"] == {"3": 3, "17": 3}  # every compiled repeat ran through the graph
+    assert all(r["ms"][k][t] > 0 for k in ("compiled", "uncompiled", "transformers") for t in ("3", "17"))
