@@ -200,44 +200,41 @@ class Engine:
                     self.warmed.result()
                 except Exception:  # noqa: BLE001 - logged by _log_warm_up_failure; compile anyway
                     pass
-            try:
-                graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
-                n = self._compile_when_idle("the decode step", lambda: graphs.build(self.pool.kv, self.backend))
-            except EngineClosedError:
-                raise
-            except Exception:  # noqa: BLE001 - the engine runs uncompiled; say why
-                log.warning("compiling the decode step failed; decode runs uncompiled", exc_info=True)
-                n = 0
-                return
-            if n is None:
-                n = 0
-                return
-
-            def install() -> None:
-                self.runner.decode_graphs = graphs
-
-            self.scheduler.submit_job(install, "install compiled decode").result()
-            if not self.config.compile_prefill:
-                return
-            prefill = PrefillGraph(self.runner.model)
-            try:
-                if self._compile_when_idle("the prefill step", lambda: prefill.build(self.pool.kv, self.backend)) \
-                        is None:
-                    return
-            except EngineClosedError:
-                raise
-            except Exception:  # noqa: BLE001 - prefill runs uncompiled; say why
-                log.warning("compiling the prefill step failed; prefill runs uncompiled", exc_info=True)
-                return
-
-            def install_prefill() -> None:
-                self.runner.prefill_graph = prefill
-
-            self.scheduler.submit_job(install_prefill, "install compiled prefill").result()
+            graphs = DecodeGraphs(self.runner.model, self.config.compile_batch_sizes)
+            n = self._compile_and_install("the decode step", lambda: graphs.build(self.pool.kv, self.backend),
+                                          lambda: setattr(self.runner, "decode_graphs", graphs)) or 0
+            if n and self.config.compile_prefill:
+                prefill = PrefillGraph(self.runner.model)
+                self._compile_and_install("the prefill step", lambda: prefill.build(self.pool.kv, self.backend),
+                                          lambda: self._install_prefill(prefill))
         except EngineClosedError:
             n = 0
         finally:
             self.compiled.set_result(n)
+
+    def _install_prefill(self, prefill: PrefillGraph) -> None:
+        """Hand ``prefill`` to the runner (on the loop) and run the warm-up's
+        throwaway returning turn once more, through it, so that a session's
+        first turn does not pay the graph's first run at that shape."""
+        self.runner.prefill_graph = prefill
+        room = self.max_context - WARMUP_DELTA_TOKENS - WARMUP_DECODE_STEPS - 1
+        self.runner.warm_up_return(min(WARMUP_CONTEXT_TOKENS, room), WARMUP_DELTA_TOKENS, 1)
+
+    def _compile_and_install(self, what: str, build: Callable[[], T], install: Callable[[], None]) -> "T | None":
+        """Compile ``what`` with ``build`` (:meth:`_compile_when_idle`), then run
+        ``install`` on the loop; returns what ``build`` returned, or None where
+        it failed (logged: those steps run uncompiled) or the engine closed."""
+        try:
+            result = self._compile_when_idle(what, build)
+        except EngineClosedError:
+            raise
+        except Exception:  # noqa: BLE001 - the engine runs those steps uncompiled; say why
+            log.warning("compiling %s failed; it runs uncompiled", what, exc_info=True)
+            return None
+        if result is None:
+            return None
+        self.scheduler.submit_job(install, f"install compiled {what}").result()
+        return result
 
     def _compile_when_idle(self, what: str, build: Callable[[], T]) -> "T | None":
         """Run ``build`` (a compile) in this thread once the engine is idle,

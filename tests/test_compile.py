@@ -1,6 +1,7 @@
-"""The compiled decode step (chatkv.compile): same logits as the model run as it
-is, used only for the batch sizes it was built for, never a stall or a failure
-when compiling goes wrong."""
+"""The compiled decode and prefill steps (chatkv.compile): same logits as the
+model run as it is, used only for the steps they were built for (decode batch
+sizes; one sequence's prefill of any length), never a stall or a failure when
+compiling goes wrong."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from chatkv import Chat, EngineConfig
-from chatkv.compile import COMPILE_ENV, DecodeGraphs, parse_compile, unavailable
+from chatkv.compile import COMPILE_ENV, DecodeGraphs, PrefillGraph, parse_compile, unavailable
 from chatkv.engine import Engine
 from chatkv.errors import ConfigError
 from chatkv.models import load_model
@@ -271,6 +272,26 @@ def test_an_engine_told_not_to_compile_prefill_compiles_decode_only() -> None:
     assert engine.runner.prefill_graph is None
     chat = Chat("c", engine=engine, persist=False, max_new_tokens=4)
     chat.send("hello there")
+    assert engine.runner.compiled_prefills == 0 and engine.runner.compiled_steps > 0
+    chat.close()
+    engine.close()
+
+
+@needs_inductor
+def test_a_failed_prefill_compile_is_logged_and_leaves_the_decode_graphs(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def fail(self, pool_kv, backend):
+        raise RuntimeError("no dynamic shapes today")
+
+    monkeypatch.setattr(PrefillGraph, "build", fail)
+    with caplog.at_level(logging.WARNING, logger="chatkv.engine"):
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on"))
+        engine.wait_warm(timeout=600)
+    assert engine.compiled.result() == 1 and engine.runner.decode_graphs is not None
+    assert engine.runner.prefill_graph is None
+    assert any("compiling the prefill step failed" in r.message and r.exc_info for r in caplog.records)
+    chat = Chat("c", engine=engine, persist=False, max_new_tokens=4)
+    assert chat.send("hello") is not None
     assert engine.runner.compiled_prefills == 0 and engine.runner.compiled_steps > 0
     chat.close()
     engine.close()
