@@ -1,4 +1,4 @@
-"""A returning turn's prefill step: chatkv's compiled prefill graph against the model run as it is and stock transformers.
+"""A returning turn's prefill step: chatkv's compiled prefill graph, the model as it is, stock transformers.
 
     python -m benchmarks.prefill_step --context 1500 --tokens 8,21,51,120,400 --repeats 9
 
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| transformers / compiled | " + " | ".join(f"{peer[t] / rows[t][0]:.2f}x" for t in sizes) + " |")
     write_json(args.out, {"model": loaded.name, "dtype": str(loaded.dtype), "context": args.context,
                           "threads": args.threads, "repeats": args.repeats,
-                          "ms": {"compiled": {t: rows[t][0] for t in sizes}, "uncompiled": {t: rows[t][1] for t in sizes},
-                                 "transformers": peer},
+                          "ms": {"compiled": {t: rows[t][0] for t in sizes},
+                                 "uncompiled": {t: rows[t][1] for t in sizes}, "transformers": peer},
                           "compiled_steps": {t: rows[t][2] for t in sizes}})
     return 0
 

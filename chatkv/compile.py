@@ -164,10 +164,7 @@ class DecodeGraphs:
         scratch pool shaped like ``pool_kv``), in the calling thread, one
         compile at a time in the process; returns how many are ready. Raises
         whatever compiling raises."""
-        # Only the token count is symbolic: ``dynamic=True`` would make the model's
-        # float attributes (the rotary scaling) symbolic too, which compiles
-        # 3x slower and misses AOTAutograd's on-disk cache.
-        fn = torch.compile(self.model, dynamic=None)
+        fn = torch.compile(self.model, dynamic=False)
         ready = set()
         with _COMPILE_LOCK:
             for b in self.batch_sizes:
@@ -260,8 +257,9 @@ class PrefillGraph:
         """Compile the graph in the calling thread (one compile at a time in the
         process), traced over a scratch pool shaped like ``pool_kv``, then check
         that a second token count runs through it without compiling again;
-        returns True (:attr:`ready`). Raises whatever compiling raises, or :class:`RuntimeError` where the
-        graph came out specialized to one token count."""
+        returns True (:attr:`ready`). Raises whatever compiling raises, or
+        :class:`RuntimeError` where the graph came out specialized to one
+        token count."""
         # Only the token count is symbolic: ``dynamic=True`` would make the model's
         # float attributes (the rotary scaling) symbolic too, which compiles
         # 3x slower and misses AOTAutograd's on-disk cache.
