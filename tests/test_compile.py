@@ -220,7 +220,8 @@ def test_compiled_prefill_steps_compute_what_the_model_does(monkeypatch: pytest.
     # Any step the one prefill graph did not cover would compile again: fail instead.
     monkeypatch.setattr("chatkv.compile.RUN_STANCE", "fail_on_recompile")
     loaded = load_model("tiny:llama")
-    lengths = [2, 3, 9, 17, 40]  # new tokens per step: fresh prompts, then returning turns over their KV
+    # New tokens per step of one sequence: a fresh prompt, then returning turns over the KV before each.
+    lengths = [2, 3, 9, 17, 40]
 
     def run(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         runner = engine.runner
