@@ -22,7 +22,8 @@ compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default=None,
     envvar="CHATKV_COMPILE", show_envvar=True,
     help="Compile the decode step, then the prefill step, with torch.compile, in the background "
-         "after loading (about 1.2x faster decode, 1.1x faster prefill). auto (default): on the CPU where a C++ compiler is present. "
+         "after loading (about 1.2x faster decode, 1.1x faster prefill). "
+         "auto (default): on the CPU where a C++ compiler is present. "
          "On a CUDA GPU, auto and on capture the decode step as CUDA graphs instead (about 13x "
          "faster decode for SmolLM2 on an H200).")
 
