@@ -123,22 +123,27 @@ def should_compile(setting: "str | bool", device: torch.device) -> tuple[bool, s
     return True, "compiling"
 
 
-def _scratch_metadata(pool_kv: torch.Tensor, batch: int, backend: AttentionBackend) -> AttentionMetadata:
-    """Metadata for a decode step of ``batch`` one-token sequences over a one-block
-    scratch pool shaped like ``pool_kv``: what a compile traces and runs once,
-    away from the engine's pool."""
+def _scratch_metadata(pool_kv: torch.Tensor, backend: AttentionBackend, batch: int = 1,
+                      tokens: int = 1) -> AttentionMetadata:
+    """Metadata for a step of ``batch`` sequences of ``tokens`` new tokens each
+    (nothing cached before them: a decode step's shape with ``tokens=1``, a
+    fresh prefill's with ``batch=1``) over a scratch pool shaped like
+    ``pool_kv`` with just enough blocks for ``tokens``, which every sequence
+    writes and reads: what a compile traces and runs, away from the engine's
+    pool."""
     layers, _, _, block_size, kv_heads, head_dim = pool_kv.shape
     device = pool_kv.device
-    kv = torch.zeros((layers, 2, 1, block_size, kv_heads, head_dim), dtype=pool_kv.dtype, device=device)
+    blocks = -(-tokens // block_size)
+    kv = torch.zeros((layers, 2, blocks, block_size, kv_heads, head_dim), dtype=pool_kv.dtype, device=device)
     meta = AttentionMetadata(
         kv=kv,
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
-        block_tables=torch.zeros((batch, 1), dtype=torch.int32, device=device),
-        seq_lens=torch.ones(batch, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        seq_lens_list=[1] * batch,
-        query_lens_list=[1] * batch,
-        max_query_len=1,
+        slot_mapping=torch.arange(tokens, dtype=torch.int64, device=device).repeat(batch),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).repeat(batch, 1),
+        seq_lens=torch.full((batch,), tokens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens,
+        seq_lens_list=[tokens] * batch,
+        query_lens_list=[tokens] * batch,
+        max_query_len=tokens,
         backend=backend,
     )
     meta.extras["contiguous_start"] = [0] * batch
@@ -172,7 +177,7 @@ class DecodeGraphs:
                 # Inputs made in inference mode, as the runner's are (the graph's
                 # guards check their dispatch keys).
                 with torch.inference_mode():
-                    meta = _scratch_metadata(pool_kv, b, backend)
+                    meta = _scratch_metadata(pool_kv, backend, batch=b)
                     ids = torch.zeros((1, b), dtype=torch.long, device=pool_kv.device)
                     with step_metadata(meta):
                         fn(input_ids=ids, position_ids=ids.clone(), use_cache=False, logits_to_keep=0)
@@ -205,29 +210,6 @@ class DecodeGraphs:
 _PREFILL_TRACE_TOKENS = (5, 7)
 
 
-def _scratch_prefill_metadata(pool_kv: torch.Tensor, tokens: int, backend: AttentionBackend) -> AttentionMetadata:
-    """Metadata for a prefill of ``tokens`` new tokens of one sequence (nothing
-    cached before them) over a scratch pool shaped like ``pool_kv``, large
-    enough for them: what :meth:`PrefillGraph.build` traces and runs."""
-    layers, _, _, block_size, kv_heads, head_dim = pool_kv.shape
-    device = pool_kv.device
-    blocks = -(-tokens // block_size)
-    kv = torch.zeros((layers, 2, blocks, block_size, kv_heads, head_dim), dtype=pool_kv.dtype, device=device)
-    meta = AttentionMetadata(
-        kv=kv,
-        slot_mapping=torch.arange(tokens, dtype=torch.int64, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        seq_lens_list=[tokens],
-        query_lens_list=[tokens],
-        max_query_len=tokens,
-        backend=backend,
-    )
-    meta.extras["contiguous_start"] = [0]
-    return meta
-
-
 class PrefillGraph:
     """The model compiled for prefill steps of one sequence, with the number of
     new tokens dynamic: a returning turn's new message, a fresh prompt, a
@@ -248,16 +230,11 @@ class PrefillGraph:
         self.model = model
         self._fn: Callable[..., Any] | None = None
 
-    @property
-    def ready(self) -> bool:
-        """Whether :meth:`build` has succeeded."""
-        return self._fn is not None
-
     def build(self, pool_kv: torch.Tensor, backend: AttentionBackend) -> bool:
         """Compile the graph in the calling thread (one compile at a time in the
         process), traced over a scratch pool shaped like ``pool_kv``, then check
         that a second token count runs through it without compiling again;
-        returns True (:attr:`ready`). Raises whatever compiling raises, or
+        returns True. Raises whatever compiling raises, or
         :class:`RuntimeError` where the graph came out specialized to one
         token count."""
         # Only the token count is symbolic: ``dynamic=True`` would make the model's
@@ -268,7 +245,7 @@ class PrefillGraph:
             started = time.perf_counter()
             for i, tokens in enumerate(_PREFILL_TRACE_TOKENS):
                 with torch.inference_mode():
-                    meta = _scratch_prefill_metadata(pool_kv, tokens, backend)
+                    meta = _scratch_metadata(pool_kv, backend, tokens=tokens)
                     ids = torch.zeros((1, tokens), dtype=torch.long, device=pool_kv.device)
                     positions = torch.arange(tokens, dtype=torch.long, device=pool_kv.device).unsqueeze(0)
                     if i == 0:

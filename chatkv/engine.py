@@ -217,8 +217,7 @@ class Engine:
         throwaway returning turn once more, through it, so that a session's
         first turn does not pay the graph's first run at that shape."""
         self.runner.prefill_graph = prefill
-        room = self.max_context - WARMUP_DELTA_TOKENS - WARMUP_DECODE_STEPS - 1
-        self.runner.warm_up_return(min(WARMUP_CONTEXT_TOKENS, room), WARMUP_DELTA_TOKENS, 1)
+        self._warm_up_return(decode_steps=1)
 
     def _compile_and_install(self, what: str, build: Callable[[], T], install: Callable[[], None]) -> "T | None":
         """Compile ``what`` with ``build`` (:meth:`_compile_when_idle`), then run
@@ -300,11 +299,19 @@ class Engine:
         start_restore_readers()
         prompt = min(WARMUP_PROMPT_TOKENS, self.max_context - WARMUP_DECODE_STEPS - 1)
         n = self.runner.warm_up(prompt, WARMUP_DECODE_STEPS, self.config.max_prefill_tokens)
-        room = self.max_context - n - WARMUP_DELTA_TOKENS - WARMUP_DECODE_STEPS - 1
-        n += self.runner.warm_up_return(min(WARMUP_CONTEXT_TOKENS, room), WARMUP_DELTA_TOKENS, WARMUP_DECODE_STEPS)
+        n += self._warm_up_return(WARMUP_DECODE_STEPS, used=n)
         warm_row_counts(self.runner.model, range(1, WARMUP_LINEAR_ROWS + 1), WARMUP_HEAD_ROWS)
         log.debug("engine warm-up: %d tokens in %.3f s", n, time.perf_counter() - started)
         return n
+
+    def _warm_up_return(self, decode_steps: int, used: int = 0) -> int:
+        """On the loop: the warm-up's throwaway returning turn
+        (:meth:`ModelRunner.warm_up_return`: :data:`WARMUP_DELTA_TOKENS` over up
+        to :data:`WARMUP_CONTEXT_TOKENS` of history, then ``decode_steps``),
+        its history shortened so that it and ``used`` tokens fit the window.
+        Returns the tokens run."""
+        room = self.max_context - used - WARMUP_DELTA_TOKENS - decode_steps - 1
+        return self.runner.warm_up_return(min(WARMUP_CONTEXT_TOKENS, room), WARMUP_DELTA_TOKENS, decode_steps)
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Close the engine: close every session still open on it (each saved
