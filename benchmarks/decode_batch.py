@@ -31,7 +31,8 @@ from typing import Any
 from benchmarks.measure import write_json
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"4,1,2,2"`` as ``(1, 2, 4)``: the distinct integers of a comma-separated list, ascending."""
     return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
 
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from chatkv.config import EngineConfig
     from chatkv.engine import Engine
 
-    batches, graphs = _sizes(args.batches), _sizes(args.graphs)
+    batches, graphs = parse_sizes(args.batches), parse_sizes(args.graphs)
     loaded = load_benchmark_model(args.model, args.device)
     rows: dict[str, dict[int, float]] = {}
     compiled_steps: dict[int, int] = {}

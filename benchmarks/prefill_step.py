@@ -27,10 +27,6 @@ from typing import Any
 from benchmarks.measure import write_json
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-
-
 def _ids(start: int, n: int, step: int, vocab: int) -> list[int]:
     """``n`` token ids from ``start``, ``step`` apart, wrapped into ``[10, min(vocab, 5010))``."""
     span = min(vocab, 5010) - 10
@@ -106,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from benchmarks.decode_batch import load_benchmark_model
+    from benchmarks.decode_batch import load_benchmark_model, parse_sizes
     from chatkv.config import EngineConfig
     from chatkv.engine import Engine
     from chatkv.threads import in_passing_thread
 
-    sizes = _sizes(args.tokens)
+    sizes = parse_sizes(args.tokens)
     loaded = load_benchmark_model(args.model, "cpu")
     # The peer first: an engine switches the model to chatkv's attention. In a
     # thread that exits when done, so that its OpenMP pool goes with it (chatkv/threads.py).
