@@ -10,7 +10,7 @@ users measured disk hits slower than recompute at 8k tokens, sglang#26305).
 
 :class:`CostModel` learns both rates on the engine it serves (the warm-up and
 every prefill step feed the prefill rate, every restore the disk's) as a
-linear fit ``seconds = fixed + per_unit * size`` over recent samples, and
+robust linear fit ``seconds = fixed + per_unit * size`` over recent samples, and
 :meth:`CostModel.choose` predicts both times for one session and picks one;
 the choice and its reason go into the restore's :class:`~chatkv.stats.RestoreInfo`
 and, when it recomputes, the next turn's ``not_reused``. Until both rates have
@@ -20,7 +20,9 @@ been measured it restores. ``EngineConfig(restore_policy=...)`` or
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -31,8 +33,8 @@ RESTORE_POLICIES = ("auto", "restore", "recompute")
 POLICY_ENV = "CHATKV_RESTORE_POLICY"
 #: Prefill steps shorter than this are not timed: per-step overhead would dominate them.
 MIN_PREFILL_TOKENS = 32
-#: Recompute is chosen only when predicted this many times faster: a restore
-#: leaves the compute to other sessions' turns, a re-prefill takes it.
+#: Recompute is chosen only when its first step is predicted this many times
+#: faster: a restore leaves the compute to other sessions' turns, a re-prefill takes it.
 RECOMPUTE_ADVANTAGE = 1.25
 _SAMPLES = 32
 
@@ -65,23 +67,24 @@ class LinearCost:
     def fit(self) -> tuple[float, float] | None:
         """``(fixed seconds, seconds per unit)``, or None before any sample.
 
-        With one size only (or a fit that would make either term negative) the
-        fixed term is 0 and the per-unit cost the samples' mean ratio.
+        A Theil-Sen fit: the slope is the median of the slopes between pairs of
+        samples of different sizes, the fixed part the median of what each
+        sample leaves over it. Unlike least squares it ignores a few outliers,
+        such as a step that compiled a kernel on its first run. With one size
+        only, the fixed part is 0 and the per-unit cost the samples' mean
+        ratio. A slope lost in the noise (the median not positive) counts as 0:
+        the time is all fixed.
         """
         with self._mu:
             samples = list(self._samples)
         if not samples:
             return None
-        n = len(samples)
-        mx = sum(s for s, _ in samples) / n
-        my = sum(t for _, t in samples) / n
-        var = sum((s - mx) ** 2 for s, _ in samples)
-        if var > 0:
-            slope = sum((s - mx) * (t - my) for s, t in samples) / var
-            fixed = my - slope * mx
-            if slope > 0 and fixed >= 0:
-                return fixed, slope
-        return 0.0, sum(t for _, t in samples) / sum(s for s, _ in samples)
+        slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(samples)
+                  for s2, t2 in samples[i + 1:] if s2 != s1]
+        if not slopes:
+            return 0.0, sum(t for _, t in samples) / sum(s for s, _ in samples)
+        slope = max(0.0, statistics.median(slopes))
+        return max(0.0, statistics.median(t - slope * s for s, t in samples)), slope
 
     def predict(self, size: float) -> float | None:
         """Predicted seconds for ``size`` units, or None before any sample."""
@@ -103,8 +106,13 @@ class Choice:
 class CostModel:
     """The measured prefill and disk-restore costs of one engine, and the choice between them."""
 
-    def __init__(self, policy: str = "auto") -> None:
+    def __init__(self, policy: str = "auto", max_step_tokens: int | None = None) -> None:
+        """``policy``: see :func:`resolve_policy`. ``max_step_tokens``: the most
+        tokens one prefill step takes (``EngineConfig.max_prefill_tokens``);
+        a longer recompute runs in several steps and pays the fixed part of
+        each one but the first. None: one step, however long."""
         self.policy = resolve_policy(policy)
+        self.max_step_tokens = max_step_tokens
         self.prefill = LinearCost()
         """Seconds per forward step by its token count."""
         self.disk = LinearCost()
@@ -120,17 +128,27 @@ class CostModel:
         self.disk.add(n_bytes, seconds)
 
     def choose(self, n_tokens: int, n_bytes: int) -> Choice:
-        """Restore ``n_bytes`` of stored KV, or recompute its ``n_tokens`` tokens?"""
+        """Restore ``n_bytes`` of stored KV, or recompute its ``n_tokens`` tokens?
+
+        Recomputing is predicted to cost the per-token part of ``n_tokens`` plus
+        the fixed part of every prefill step it adds. The two are compared as
+        whole first steps: the new turn's own step, whose fixed part is paid
+        either way, is added to both sides, so that a saving small beside it
+        (on a GPU an eager step is mostly fixed cost) does not count as a win.
+        """
         if self.policy != "auto":
             return Choice(self.policy, f"restore_policy={self.policy!r}")
         fit = self.prefill.fit()
         restore_s = self.disk.predict(n_bytes)
-        recompute_s = None if fit is None else fit[1] * n_tokens  # a turn's own step pays the fixed part
-        if restore_s is None or recompute_s is None:
+        steps = 1 if not self.max_step_tokens else max(1, math.ceil(n_tokens / self.max_step_tokens))
+        recompute_s = None if fit is None else fit[1] * n_tokens + fit[0] * (steps - 1)
+        if fit is None or restore_s is None or recompute_s is None:
             return Choice("restore", "no measured " + ("disk bandwidth" if restore_s is None else "prefill rate")
                           + " yet", restore_s, recompute_s)
+        in_steps = f" in {steps} steps" if steps > 1 else ""
         what = (f"reading {n_bytes / 1e6:.1f} MB is predicted to take {restore_s * 1e3:.0f} ms, "
-                f"prefilling {n_tokens} tokens {recompute_s * 1e3:.0f} ms")
-        if recompute_s * RECOMPUTE_ADVANTAGE < restore_s:
+                f"prefilling {n_tokens} tokens{in_steps} {recompute_s * 1e3:.0f} ms, "
+                f"beside the turn's own step's {fit[0] * 1e3:.0f} ms")
+        if (fit[0] + recompute_s) * RECOMPUTE_ADVANTAGE < fit[0] + restore_s:
             return Choice("recompute", f"recomputed instead of restored: {what}", restore_s, recompute_s)
         return Choice("restore", what, restore_s, recompute_s)

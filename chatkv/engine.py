@@ -136,7 +136,7 @@ class Engine:
                               dtype, device, loaded.fingerprint)
         self.backend = get_backend(self.config.attention_backend, device)
         #: Measured prefill and disk-restore costs: restore or recompute (:mod:`chatkv.costs`).
-        self.costs = CostModel(resolve_policy(self.config.restore_policy))
+        self.costs = CostModel(resolve_policy(self.config.restore_policy), self.config.max_prefill_tokens)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend, self.costs, prepack=self.config.prepack)
         self.eos_ids = _eos_ids(loaded)
         self.tiers = TierManager(self, self.config.tiers)

@@ -28,6 +28,35 @@ def test_linear_fit() -> None:
     assert len(cost._samples) == 3
 
 
+def test_fit_ignores_an_outlier_and_a_slope_lost_in_noise() -> None:
+    cost = LinearCost()
+    for size in (100, 200, 400, 800):
+        cost.add(size, 0.5 + 0.01 * size)
+    cost.add(128, 30.0)  # a step that compiled a kernel on its first run
+    fixed, slope = cost.fit()  # type: ignore[misc]
+    assert fixed == pytest.approx(0.5) and slope == pytest.approx(0.01)
+    flat = LinearCost()  # a GPU's eager step: launch overhead, whatever its length
+    for size, seconds in ((64, 0.040), (256, 0.038), (1024, 0.041), (2048, 0.037)):
+        flat.add(size, seconds)
+    fixed, slope = flat.fit()  # type: ignore[misc]
+    assert slope == 0.0 and fixed == pytest.approx(0.039)  # the median
+
+
+def test_choice_counts_whole_steps() -> None:
+    model = CostModel("auto", max_step_tokens=2048)
+    for size, seconds in ((64, 0.040), (256, 0.040), (1024, 0.040)):  # all fixed: 40 ms a step
+        model.record_prefill(size, seconds)
+    for mb in (5, 25, 100):
+        model.record_restore(mb * 10**6, 0.003 + 0.00035 * mb)  # 3 ms + 0.35 ms per MB
+    # 6 ms of reading beside a 40 ms step is not worth a recompute; 12 ms is.
+    assert model.choose(254, 6 * 10**6).decision == "restore"
+    assert model.choose(1024, 26 * 10**6).decision == "recompute"
+    # 4,097 tokens take 3 steps: two more fixed parts (80 ms) than the turn's own.
+    long = model.choose(4097, 94 * 10**6)
+    assert long.decision == "restore" and "in 3 steps 80 ms" in long.reason
+    assert long.recompute_s == pytest.approx(0.080)
+
+
 def test_policies() -> None:
     assert resolve_policy("recompute") == "recompute"
     with pytest.raises(ConfigError):
