@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trial(f"s{n}", "restore")
         for n in args.tokens:
             times: dict[str, list[float]] = {"auto": [], "restore": [], "recompute": []}
+            restore_s: list[float] = []  # the forced restores' own time (RestoreInfo.seconds)
             info = None
             for _ in range(args.repeats):
                 for mode in times:
@@ -97,17 +98,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     times[mode].append(ttft)
                     if mode == "auto":
                         info = got
+                    elif mode == "restore":
+                        restore_s.append(got.seconds)
             med = {m: statistics.median(t) for m, t in times.items()}
             ratio = med["recompute"] / med["restore"]
             # Within TIE of each other the two are level: either choice is right.
             faster = "either" if abs(ratio - 1) <= TIE else "restore" if ratio > 1 else "recompute"
             rows.append({"tokens": sessions[n], "decision": info.decision, "reason": info.reason,
                          "ttft_s": med, "faster": faster, "right": faster in ("either", info.decision),
-                         "margin": ratio})
+                         "margin": ratio, "restore_s": statistics.median(restore_s)})
         store.close()
+    fits = {"prefill": engine.costs.prefill.fit(), "disk": engine.costs.disk.fit()}
     engine.close()
     return {"model": loaded.name, "dtype": str(loaded.dtype), "threads": args.threads, "repeats": args.repeats,
-            "device": args.device, "rows": rows}
+            "device": args.device, "rows": rows, "fits": fits}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -125,6 +129,13 @@ def render(result: dict[str, Any]) -> str:
                      f"{t['recompute'] * 1e3:.1f} ms | {r['margin']:.2f}x | "
                      f"{f'level (within {TIE:.0%})' if r['faster'] == 'either' else 'yes' if r['right'] else 'no'} | "
                      f"{r['reason']} |")
+    lines.append("")
+    lines.append("Forced restores' own time (`RestoreInfo.seconds`, medians): " + ", ".join(
+        f"{r['tokens']}: {r['restore_s'] * 1e3:.1f} ms" for r in result["rows"] if "restore_s" in r) + ".")
+    for name, unit, scale in (("prefill", "token", 1), ("disk", "MB", 1e6)):
+        fit = result.get("fits", {}).get(name)
+        if fit:
+            lines.append(f"The engine's {name} fit: {fit[0] * 1e3:.1f} ms + {fit[1] * scale * 1e3:.3f} ms per {unit}.")
     return "\n".join(lines)
 
 

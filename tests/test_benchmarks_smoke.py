@@ -147,11 +147,15 @@ def test_restore_choice_reports_the_choice_its_reason_and_both_forced_times(tmp_
 
     out = tmp_path / "restore_choice.json"
     assert main(["--model", "tiny:llama", "--tokens", "40,300", "--repeats", "1", "--out", str(out)]) == 0
-    assert "| choice (auto) |" in capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    printed = capsys.readouterr().out
+    assert "| choice (auto) |" in printed and "The engine's prefill fit: " in printed
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows) and rows[0]["tokens"] >= 30
+    assert result["fits"]["prefill"][1] > 0 and result["fits"]["disk"][1] > 0  # both rates were measured
     for r in rows:
         assert r["decision"] in ("restore", "recompute") and "predicted" in r["reason"]
+        assert 0 < r["restore_s"] < r["ttft_s"]["restore"]  # the restore is part of the turn it serves
         assert all(r["ttft_s"][m] > 0 for m in ("auto", "restore", "recompute"))
         assert r["right"] == (r["faster"] in ("either", r["decision"]))
 
