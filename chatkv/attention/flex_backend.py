@@ -3,9 +3,15 @@
 The layer's pool is seen as one long key sequence ``[1, kv_heads, num_blocks *
 block_size, head_dim]`` (a strided view, no copy) and each sequence's block
 table becomes the block-sparse structure of a :class:`BlockMask` whose KV block
-size is the pool's block size. Whole blocks are "full" (no mask evaluated);
-only a sequence's partial last block, or every block under a sliding window,
-runs the mask function.
+size is the pool's block size. Run eagerly, whole blocks are "full" (no mask
+evaluated); only a sequence's partial last block, or every block under a
+sliding window, runs the mask function. Compiled (the default on CUDA), every
+visible block runs the mask function: on an H200 with torch 2.11, Inductor's
+flex-decoding kernel given full blocks returned wrong outputs (max error 0.1
+to 0.35 against 1e-3 in bf16, pools of 513 and 2,049 blocks of 16), read out
+of bounds over a pool of 2,049 blocks, and failed to compile over one of more
+than 2**31 elements; without full blocks it matched (tried on the two smaller
+pools only).
 
 Decode-only steps use FlexAttention; other steps fall back to the ``torch``
 backend (paged causal prefill through FlexAttention would need a per-token
@@ -39,6 +45,7 @@ def build_decode_block_mask(
     num_blocks: int,
     block_size: int,
     sliding_window: int | None = None,
+    full_blocks: bool = True,
 ) -> "BlockMask":
     """A BlockMask over the flattened pool for one decode query per sequence.
 
@@ -47,6 +54,9 @@ def build_decode_block_mask(
         seq_lens: ``[S]`` int32 context lengths (the query is the last position).
         num_blocks, block_size: the pool's shape.
         sliding_window: keys at logical positions ``> seq_len - 1 - sliding_window`` only.
+        full_blocks: mark a sequence's whole blocks "full" (no mask evaluated
+            on them); False runs the mask on every visible block (see the
+            module doc: the compiled kernel needs it). Both give the same result.
 
     Returns:
         A mask for queries ``[S, H, 1, D]`` against keys ``[S, Hkv, num_blocks * block_size, D]``.
@@ -76,14 +86,17 @@ def build_decode_block_mask(
         # [S, 1 head, 1 query block, ...]
         return count.to(torch.int32).view(num_seqs, 1, 1), idx.to(torch.int32).view(num_seqs, 1, 1, -1)
 
-    if sliding_window is None:
+    if sliding_window is None and full_blocks:
         n_full = lens // block_size
         partial = (lens % block_size > 0).long()
         last = tables.gather(1, n_full.clamp(max=max_blocks - 1)[:, None])  # [S, 1]
         kv_num, kv_idx = sparse(last, partial)
         full_num, full_idx = sparse(tables, n_full)
     else:
-        first = (lens - sliding_window).clamp(min=0) // block_size  # first visible logical block
+        # The first visible logical block: 0, or where the window starts.
+        first = torch.zeros_like(lens)
+        if sliding_window is not None:
+            first = (lens - sliding_window).clamp(min=0) // block_size
         shift = (cols[None, :] + first[:, None]).clamp(max=max_blocks - 1)
         kv_num, kv_idx = sparse(tables.gather(1, shift), n_used - first)
         full_num = full_idx = None
@@ -116,8 +129,12 @@ class FlexBackend(AttentionBackend):
         """True when this torch has FlexAttention (compiled on CUDA, eager elsewhere)."""
         return HAS_FLEX
 
+    def _compiled(self, device: torch.device) -> bool:
+        """Whether steps on ``device`` run FlexAttention through torch.compile."""
+        return self._compile if self._compile is not None else device.type == "cuda"
+
     def _flex(self, device: torch.device) -> Callable[..., torch.Tensor]:
-        compiled = self._compile if self._compile is not None else device.type == "cuda"
+        compiled = self._compiled(device)
         if compiled not in self._fns:
             self._fns[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
         return self._fns[compiled]
@@ -143,7 +160,8 @@ class FlexBackend(AttentionBackend):
         mask = meta.extras.get(key)
         if mask is None:
             mask = build_decode_block_mask(
-                meta.block_tables, meta.seq_lens, num_blocks, block_size, sliding_window
+                meta.block_tables, meta.seq_lens, num_blocks, block_size, sliding_window,
+                full_blocks=not self._compiled(query.device),
             )
             meta.extras[key] = mask
         q = query.unsqueeze(2)  # [S, Hq, 1, D]
