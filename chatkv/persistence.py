@@ -34,6 +34,7 @@ from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
 from chatkv.stats import RestoreInfo
+from chatkv.threads import in_passing_thread
 from chatkv.storage import (
     ChunkInfo,
     ChunkMeta,
@@ -236,7 +237,10 @@ class KVPersister:
             new = [NewChunk(n, {KV_TENSOR: kv}, meta) for n, kv in snap.pieces]
         else:
             bs = self.engine.pool.block_size
-            new = [NewChunk(n, pack(kv, snap.scheme, bs), meta) for n, kv in snap.pieces]
+            # Quantized in a thread that exits: torch gives the thread that runs
+            # its operators an OpenMP pool for good, and a second pool beside the
+            # loop's slows every later operator of the loop (chatkv.threads).
+            new = in_passing_thread(lambda: [NewChunk(n, pack(kv, snap.scheme, bs), meta) for n, kv in snap.pieces])
         result = self.store.save_kv(session_id, token_ids=snap.token_ids, fingerprint=self.fingerprint,
                                     chunks=[*snap.keep, *new])
         return SavedKV(snap.token_ids, list(result.chunks), snap.shift), result
