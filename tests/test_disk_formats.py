@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from chatkv import Chat, EngineConfig, TierConfig
+from chatkv import Chat, EngineConfig, TierConfig, quant
 from chatkv.engine import Engine
 from chatkv.errors import ConfigError
 from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
@@ -34,9 +38,13 @@ def test_pack_round_trip_keeps_the_partial_block_exact(scheme: str) -> None:
         unpack(tensors, scheme, 4, (3, 2, 24, 2, 8), torch.float32)
 
 
+@pytest.mark.parametrize("tile", [None, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_unpacking_into_pool_slices_writes_what_unpack_returns(scheme: str, dtype: torch.dtype) -> None:
+def test_unpacking_into_pool_slices_writes_what_unpack_returns(scheme: str, dtype: torch.dtype, tile: int | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if tile is not None:  # the CPU's float32 scratch a few tokens at a time, cut mid-layer
+        monkeypatch.setattr(quant, "ROW_TILE_ELEMS", tile)
     kv = (3 * torch.randn(3, 2, 37, 2, 16, generator=torch.Generator().manual_seed(2))).to(dtype)
     tensors = pack(kv, scheme, 8)
     want = unpack(tensors, scheme, 8, tuple(kv.shape), dtype)
@@ -52,6 +60,19 @@ def test_unpacking_into_pool_slices_writes_what_unpack_returns(scheme: str, dtyp
         with pytest.raises(ValueError):
             unpack_into({k: v for k, v in tensors.items() if k != "k.data"}, scheme, 8, tuple(kv.shape),
                         [(0, pool[:, :, :37])])
+
+
+def test_fp8_codes_widen_through_their_bits_exactly() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every code: subnormals, -0, NaN
+    half = quant._fp8_as_scaled_half(codes, torch.empty(256, dtype=torch.int16))
+    got, want = half.float() * quant.FP8_HALF_SHIFT, codes.float()
+    finite = ~want.isnan()
+    assert torch.equal(got.view(torch.int32)[finite], want.view(torch.int32)[finite])  # bit for bit, -0 included
+    assert got[~finite].abs().tolist() == [480.0, 480.0]  # the NaN codes, which quantize() never writes
+    scale = torch.rand(256, generator=torch.Generator().manual_seed(4)) + 1e-3
+    q = quant.QuantizedKV(scheme="fp8", kind="k", shape=(1, 1, 256, 1), dtype=torch.float32,
+                          data=codes.view(1, 1, 256, 1), scale=scale.view(1, 1, 256))
+    assert torch.equal(quant.dequantize(q).view(-1)[finite], (want * scale)[finite])
 
 
 def test_formats_parse_and_are_checked() -> None:
@@ -128,3 +149,46 @@ def test_the_gate_refuses_a_format_below_its_floor() -> None:
 def test_a_cast_to_the_models_own_dtype_is_exact() -> None:
     engine = _engine("bf16", dtype=torch.bfloat16)
     assert engine.call(engine.tiers.effective_disk_scheme) == "none"
+
+
+# A fresh interpreter: its main thread has run no torch operator yet (pytest's has).
+_POOL_PROBE = """
+import os, tempfile, threading
+from chatkv import Chat, EngineConfig, TierConfig
+from chatkv.engine import Engine
+from chatkv.models import load_model
+from chatkv.storage import Store
+
+def native():  # OS threads that are not Python's: OpenMP workers among them
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=256, block_size=4))
+engine.wait_warm()
+with tempfile.TemporaryDirectory() as home:
+    store = Store(home)
+    chat = Chat("s", engine=engine, store=store, max_new_tokens=4)
+    for text in ("Hello there", "Tell me a story"):  # exact chunks: whatever a first turn starts
+        chat.send(text)
+    before = native()
+    engine.tiers.configure(TierConfig(disk_format="int8", fidelity_floors={"int8": 0.0}))
+    for text in ("And then?", "One more."):  # int8 chunks, quantized when this thread saves
+        chat.send(text)
+    chat.close()
+    assert "packed-int8" in str([c.kv_format for c in store.kv_chunks("s")])
+    print("threads", before, native())
+    store.close()
+engine.close()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_saving_compact_chunks_leaves_the_callers_thread_without_an_openmp_pool() -> None:
+    # libgomp gives each thread that runs a parallel torch operator a pool for good; a
+    # second pool beside the loop's makes every operator of the loop several times slower.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = (int(x) for x in done.stdout.split("threads")[-1].split())
+    assert after == before
