@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from chatkv.quant import (
+    CAST_DTYPES,
     ROWWISE_SCHEMES,
     QuantizedKV,
     check_scheme,
@@ -76,8 +77,12 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
     full, tail, parts = _parts(tensors, scheme, block_size, shape, dtype)
     if not full:
         return tail.to(dtype)
-    dense = [dequantize(q, dtype).reshape(L, full, h, d) for q in parts]
-    return torch.cat([torch.stack(dense, dim=1), tail.to(dtype)], dim=2)
+    out = torch.empty(shape, dtype=dtype, device=tail.device)  # filled in place: no stack, no cat
+    wide = dtype if scheme in CAST_DTYPES else torch.float32  # computed in float32, rounded once into out
+    for i, q in enumerate(parts):
+        out[:, i, :full] = dequantize(q, wide).reshape(L, full, h, d)
+    out[:, :, full:] = tail
+    return out
 
 
 def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,

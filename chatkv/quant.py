@@ -292,8 +292,10 @@ def _pack_nibbles(codes: Tensor) -> Tensor:
 
 def _unpack_nibbles(packed: Tensor) -> Tensor:
     """Inverse of :func:`_pack_nibbles`: ``[..., D // 2]`` -> ``[..., D]`` uint8."""
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
+    codes = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.uint8, device=packed.device)
+    torch.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
+    torch.bitwise_right_shift(packed, 4, out=codes[..., 1::2])
+    return codes
 
 
 def _asym_params(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
@@ -326,12 +328,12 @@ def _quant_int4(x: Tensor, kind: Kind) -> dict[str, Tensor]:
 def _dequant_int4(q: QuantizedKV) -> Tensor:
     assert q.scale is not None and q.zero is not None
     n, bs, h, d = q.shape
-    codes = _unpack_nibbles(q.data).float()  # [n, BS, H, D]
+    codes = _unpack_nibbles(q.data).float()  # [n, BS, H, D], a new tensor: scaled in place
     if q.kind == "k":
-        return codes * q.scale.float()[:, None] + q.zero.float()[:, None]
+        return codes.mul_(q.scale.float()[:, None]).add_(q.zero.float()[:, None])
     g = q.group_size
-    cg = codes.reshape(n, bs, h, d // g, g)
-    return (cg * q.scale.float()[..., None] + q.zero.float()[..., None]).reshape(n, bs, h, d)
+    cg = codes.view(n, bs, h, d // g, g)
+    return cg.mul_(q.scale.float()[..., None]).add_(q.zero.float()[..., None]).view(n, bs, h, d)
 
 
 _QUANTIZERS: dict[str, Callable[[Tensor, Kind], dict[str, Tensor]]] = {
