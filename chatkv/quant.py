@@ -263,6 +263,8 @@ def _dequant_fp8(q: QuantizedKV) -> Tensor:
 
 #: :func:`_fp8_as_scaled_half` gives an e4m3fn code's value divided by this.
 FP8_HALF_SHIFT = 256.0
+
+
 def _fp8_as_scaled_half(codes: Tensor, scratch: Tensor) -> Tensor:
     """float16 values of e4m3fn ``codes`` divided by :data:`FP8_HALF_SHIFT`,
     exactly, written into ``scratch`` (int16, the shape of ``codes``) and
@@ -449,13 +451,14 @@ def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: T
     if scheme in CAST_DTYPES and (data.dtype == out.dtype or out.dtype == torch.float32 or out.device.type != "cpu"):
         out.copy_(data)
         return
+    assert scale is not None or scheme in CAST_DTYPES
     if out.device.type != "cpu":
         # Widen into out exactly (int8 and e4m3 fit every float dtype), then
         # scale in place, computed in float32 and rounded once.
+        assert scale is not None
         out.copy_(data)
         out.mul_(scale.unsqueeze(-1))
         return
-    assert scale is not None or scheme in CAST_DTYPES
     limit = min(ROW_TILE_ELEMS, out.numel())
     wide = None if out.dtype == torch.float32 else torch.empty(limit, dtype=torch.float32)
     bits = torch.empty(limit, dtype=torch.int16) if scheme == "fp8" else None
@@ -464,9 +467,11 @@ def dequantize_rows_into(scheme: str, data: Tensor, scale: Tensor | None, out: T
         if scale is None:  # float16 into bfloat16 or back: both ways through float32 are vectorized
             acc.copy_(d)
         elif bits is None:  # int8
+            assert s is not None
             acc.copy_(d)
             acc.mul_(s.unsqueeze(-1))
         else:  # fp8: value / 256 from the bits, times scale * 256 (exact: a power of two)
+            assert s is not None
             acc.copy_(_fp8_as_scaled_half(d, bits[: d.numel()].view(d.shape)))
             acc.mul_(s.unsqueeze(-1) * FP8_HALF_SHIFT)
         if acc is not o:
