@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -58,9 +59,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_TENSOR = "kv"
-#: Threads reading a restore's chunks into the pool at once: each reads a file
-#: into its slots and checks its checksum there (both release the GIL).
+#: Threads reading a restore's chunks into the pool at once: each opens a file,
+#: reads it into its slots and checks its checksum there (both release the GIL).
 RESTORE_READERS = 2
+#: Chunks a restore has opened or read but not yet counted (nor, for a chunk
+#: read into memory of its own, written into the pool): the readers run this
+#: far ahead of the chunk the restore waits for.
+RESTORE_AHEAD = 4 * RESTORE_READERS
 _READERS: ThreadPoolExecutor | None = None
 _READERS_LOCK = threading.Lock()
 
@@ -436,53 +441,94 @@ class KVPersister:
         """Fill the slots ``plan`` reserved from the session's chunk files, then
         commit what was read and verified (see :meth:`_finish`).
 
-        On a host pool, a chunk in the pool's own layout is read straight into
-        its slots (:meth:`ChunkSource.read_into`: one copy, then the checksum
-        over the bytes where they landed), :data:`RESTORE_READERS` chunks at a
-        time; a compact chunk, or any chunk of a device pool, is read into
-        memory of its own and written into its slots by the loop (which
-        dequantizes it), while the next chunk is read. Chunks wholly inside the
-        shared prefix are not read at all. What counts is the longest run of
-        chunks from the start that all read and verified.
+        The process's reader threads (:data:`RESTORE_READERS`) open, read and
+        check the chunks, up to :data:`RESTORE_AHEAD` at a time, while this
+        thread takes them in order (:meth:`_read_chunk`). On a host pool, a
+        chunk in the pool's own layout is read straight into its slots
+        (:meth:`ChunkSource.read_into`: one copy, then the checksum over the
+        bytes where they landed); a compact chunk, or any chunk of a device
+        pool, is read into memory of its own and written into its slots by the
+        loop (which dequantizes it): on a device as it comes, beside the next
+        reads; on the CPU up to :data:`RESTORE_AHEAD` at once, with the readers
+        idle. Chunks wholly inside the shared prefix are not read at all. What
+        counts is the longest run of chunks from the start that all read and
+        verified.
         """
         engine = self.engine
         L, two, _, _, h, d = engine.pool.kv.shape
         row = h * d * engine.pool.kv.element_size()
         chunks: list[ChunkInfo] = []  # chunks whose KV is in the pool (or shared), in order
-        # Chunks being read or read, whose KV is not yet known good, in order:
-        # (the read's or the loop's fill's future, chunk, its end, exact).
-        read: list[tuple[Future, ChunkInfo, int, bool]] = []
+        pending: deque[_ChunkRead] = deque()  # being read, not yet known good, in order
+        fills: list[tuple[_ChunkRead, dict[str, torch.Tensor]]] = []  # read into memory of their own, in order
+        # On the CPU the loop's fills wait for the readers to be idle: its
+        # operators' threads and the readers on the same cores made both
+        # several times slower (an int4 chunk's fill 18 ms against 3).
+        apart = engine.pool.kv.device.type == "cpu"
         good = exact_until = plan.start
 
-        def settle(keep: int = 0) -> None:
-            """Count the leading chunks whose reads are done as good, waiting
-            until at most ``keep`` are left in flight."""
+        def count(read: _ChunkRead) -> None:
             nonlocal good, exact_until
-            while read and (len(read) > keep or read[0][0].done()):
-                done, chunk, end, exact = read.pop(0)
-                try:
-                    self._settle(done, chunk)
-                except CorruptChunkError:
-                    for later, *_ in read:  # what was read after it cannot be used; let it finish
-                        later.exception()
-                    read.clear()
-                    raise
-                if exact and exact_until == good:
-                    exact_until = end
-                good = end
-                chunks.append(chunk)
+            if read.base == DENSE_FORMAT and exact_until == good:  # packed KV is lossy
+                exact_until = read.end
+            good = read.end
+            chunks.append(read.chunk)
+
+        def flush() -> None:
+            """Have the loop write the chunks read into memory of their own into
+            their slots (dequantizing them), then count them, in order."""
+            if not fills:
+                return
+            batch = list(fills)
+            fills.clear()
+            reasons = engine.call(lambda: [self._fill(t, r.base, (L, two, r.n, h, d), r.skip, r.slots)
+                                           for r, t in batch], "restore chunks")
+            for (read, _), reason in zip(batch, reasons):
+                if reason:
+                    raise CorruptChunkError(read.chunk.hash, reason,
+                                            self.store.quarantine_chunk(read.chunk.hash, reason))
+                count(read)
+
+        def settle(keep: int = 0) -> None:
+            """Count the leading chunks whose reads are done as good (a chunk read
+            into memory of its own once the loop has written it into its
+            slots), waiting until at most ``keep`` are left in flight."""
+            try:
+                while pending and (len(pending) > keep or pending[0].done.done()):
+                    read = pending.popleft()
+                    try:
+                        tensors = read.done.result()  # CorruptChunkError once quarantined
+                    except CorruptChunkError:
+                        wait_all([r.done for r in pending])  # the readers idle (on the CPU)...
+                        flush()  # ...while the loop writes the good chunks before it
+                        raise
+                    if tensors is None:
+                        flush()
+                        count(read)
+                        continue
+                    fills.append((read, tensors))
+                    if not apart or len(fills) >= RESTORE_AHEAD or not pending:
+                        wait_all([r.done for r in pending] if apart else [])
+                        flush()
+                if keep == 0:
+                    flush()
+            except CorruptChunkError:
+                for later in pending:  # what was read after it cannot be used; let it finish
+                    later.done.exception()
+                pending.clear()
+                fills.clear()
+                raise
 
         off = 0
         failure: CorruptChunkError | None = None
-        readers = _restore_readers() if plan.buffers is not None else None
+        readers = _restore_readers()
         submitted: list[Future] = []  # all waited for before the restore ends, whatever happens
         try:
-            for source in stored:
-                n = source.info.n_tokens
+            for index, chunk in enumerate(stored.chunks):
+                n = chunk.n_tokens
                 try:
-                    base, chunk_shift = parse_kv_format(source.info.kv_format)
+                    base, chunk_shift = parse_kv_format(chunk.kv_format)
                 except ValueError:
-                    base, chunk_shift = source.info.kv_format, ...
+                    base, chunk_shift = chunk.kv_format, ...
                 stop = None
                 if chunk_shift != shift:  # never mix shifted and unshifted (or differently shifted) KV
                     info.warning = (f"session {kv.session_id!r}: its stored KV mixes windows shifted differently; "
@@ -490,35 +536,27 @@ class KVPersister:
                     kv.lost = stop = "its stored KV mixed differently shifted windows"
                 elif off + n > plan.end:
                     info.warning = stop = f"session {kv.session_id!r}: the KV pool is full; loaded part of its KV"
-                if stop is not None or off + n <= plan.start:
-                    source.close()
-                    if stop is not None:
-                        break
-                    chunks.append(source.info)  # wholly in the shared prefix: not read
+                if stop is not None:
+                    break
+                if off + n <= plan.start:
+                    chunks.append(chunk)  # wholly in the shared prefix: not read
                     off += n
                     continue
                 skip = max(0, plan.start - off)
                 lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
-                info.bytes_read += source.info.bytes
-                if (readers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT)
-                        and source.shapes.get(KV_TENSOR) == (engine.pool.kv.dtype, (L, two, n, h, d))):
+                info.bytes_read += chunk.bytes
+                buffers = None
+                if plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT):
                     scratch = memoryview(bytearray(L * two * skip * row))  # the shared tokens' bytes
                     buffers = []
-                    for j, views in enumerate(plan.buffers):  # type: ignore[union-attr]
+                    for j, views in enumerate(plan.buffers):
                         buffers.append(scratch[j * skip * row: (j + 1) * skip * row])
                         buffers.extend(_cut(views, lo * row, hi * row))
-                    done = readers.submit(source.read_into, {KV_TENSOR: buffers})
-                    submitted.append(done)
-                else:
-                    tensors = source.read_into({})
-                    settle()  # one fill in flight at a time
-                    slots = plan.slots[lo:hi]
-                    done = engine.scheduler.submit_job(
-                        lambda t=tensors, b=base, k=skip, sl=slots, m=n: self._fill(t, b, (L, two, m, h, d), k, sl),
-                        "restore chunk")
-                read.append((done, source.info, off + n, base == DENSE_FORMAT))  # packed KV is lossy
+                done = readers.submit(self._read_chunk, stored, index, (L, two, n, h, d), buffers)
+                submitted.append(done)
+                pending.append(_ChunkRead(done, chunk, base, n, off + n, skip, plan.slots[lo:hi]))
                 off += n
-                settle(keep=2 * RESTORE_READERS - 1)  # a few files open at a time
+                settle(keep=RESTORE_AHEAD - 1)
         except CorruptChunkError as exc:
             failure = exc
         finally:
@@ -538,6 +576,23 @@ class KVPersister:
         kept = sum(c.n_tokens for c in chunks)
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
+    def _read_chunk(self, stored: StoredKV, index: int, shape: tuple[int, int, int, int, int],
+                    buffers: "list[memoryview] | None") -> "dict[str, torch.Tensor] | None":
+        """In a reader thread: open chunk ``index`` of ``stored`` and read it,
+        checksum checked. With ``buffers`` (the bytes of its reserved slots,
+        after scratch for its shared tokens) and a KV tensor of the pool's
+        dtype and ``shape``, straight into them: returns None. Otherwise into
+        memory of its own: returns its tensors, for :meth:`_fill` on the loop.
+
+        Raises:
+            CorruptChunkError, MissingChunkError: after quarantining the chunk.
+        """
+        source = stored.open(index)
+        if buffers is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
+            source.read_into({KV_TENSOR: buffers})
+            return None
+        return source.read_into({})
+
     def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
               skip: int, slots: list[int]) -> str:
         """On the loop: write a chunk read into memory of its own (dequantizing a
@@ -556,13 +611,29 @@ class KVPersister:
             pool.fill(slots, tensor[:, :, skip:])
         return reason
 
-    def _settle(self, pending: Future, chunk: ChunkInfo) -> None:
-        """Wait for a chunk's read into its slots, or for its :meth:`_fill` (which
-        returns why its tensors did not fit, if they did not); raise
-        CorruptChunkError (the chunk quarantined) if it failed."""
-        reason = pending.result()
-        if reason:
-            raise CorruptChunkError(chunk.hash, reason, self.store.quarantine_chunk(chunk.hash, reason))
+
+@dataclass
+class _ChunkRead:
+    """One chunk of a restore being read (see :meth:`KVPersister._load`).
+
+    Attributes:
+        done: the read (:meth:`KVPersister._read_chunk`): None once in its
+            slots, or the tensors it read into memory of their own.
+        chunk: the chunk.
+        base: its format, less any shift tag.
+        n: its tokens.
+        end: the session's tokens up to its end.
+        skip: its first tokens, in the shared prefix, not written.
+        slots: the slots reserved for the rest.
+    """
+
+    done: Future
+    chunk: ChunkInfo
+    base: str
+    n: int
+    end: int
+    skip: int
+    slots: list[int]
 
 
 @dataclass

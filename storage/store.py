@@ -1361,24 +1361,38 @@ class StoredKV:
     chunks: list[ChunkInfo]
 
     def __iter__(self) -> Iterator["ChunkSource"]:
-        """Each chunk, opened; a chunk that fails its checks is quarantined and
-        its :class:`CorruptChunkError` (or :class:`MissingChunkError`) raised,
-        the chunks before it remaining a valid prefix. Each source yielded
-        holds its file open until it is read (:meth:`ChunkSource.read_into`,
-        from any thread) or closed: the caller does one or the other."""
+        """Each chunk, opened (:meth:`open`), in order; a chunk that fails its
+        checks is quarantined and its :class:`CorruptChunkError` (or
+        :class:`MissingChunkError`) raised, the chunks before it remaining a
+        valid prefix. Each source yielded holds its file open until it is read
+        (:meth:`ChunkSource.read_into`, from any thread) or closed: the caller
+        does one or the other."""
+        for index in range(len(self.chunks)):
+            yield self.open(index)
+
+    def open(self, index: int) -> "ChunkSource":
+        """Open chunk ``index`` of :attr:`chunks`: its file's header, fingerprint
+        and token ids checked against the index and against this session's
+        tokens at that place. Safe from any thread, and in any order (a restore
+        opens its chunks in its reader threads); the source holds its file open
+        until it is read or closed.
+
+        Raises:
+            CorruptChunkError, MissingChunkError: after quarantining the chunk.
+            IndexError: no such chunk.
+        """
+        info = self.chunks[index]
+        off = sum(c.n_tokens for c in self.chunks[:index])
         store = self.store
-        off = 0
-        for info in self.chunks:
-            with store._quarantined_on_failure(info):
-                reader = open_chunk_file(store.path_of(info), info.hash, expected_bytes=info.bytes,
-                                         fingerprint=self.fingerprint)
-            try:
-                store._check_chunk_tokens(info, reader.token_ids, self.token_ids[off: off + info.n_tokens])
-            except BaseException:
-                reader.close()
-                raise
-            off += info.n_tokens
-            yield ChunkSource(store, info, reader)
+        with store._quarantined_on_failure(info):
+            reader = open_chunk_file(store.path_of(info), info.hash, expected_bytes=info.bytes,
+                                     fingerprint=self.fingerprint)
+        try:
+            store._check_chunk_tokens(info, reader.token_ids, self.token_ids[off: off + info.n_tokens])
+        except BaseException:
+            reader.close()
+            raise
+        return ChunkSource(store, info, reader)
 
 
 class ChunkSource:

@@ -14,7 +14,7 @@ from chatkv.engine import Engine
 from chatkv.errors import ConfigError
 from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION, load_model
-from chatkv.persistence import default_store
+from chatkv.persistence import KVPersister, default_store
 from chatkv.quant import bytes_per_token
 
 SCHEMES = ("bf16", "fp16", "int8", "fp8", "int4")
@@ -135,6 +135,62 @@ def test_a_compact_session_is_smaller_on_disk_and_restores(scheme: str) -> None:
     assert 0 < err <= TOLERANCE[scheme] * 2, err  # lossy, within the scheme's error (KV made from lossy KV too)
     again.send("One more.")
     assert again.last_stats.reused_tokens > info.n_cached // 2  # (the tiny tokenizer re-splits a reply's end)
+    again.close()
+
+
+def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop's operators and the reader threads on the same cores made both
+    # several times slower: on a host pool the loop writes compact chunks into
+    # the pool only while no chunk is being read.
+    exact = _converse(_engine("exact"), "exact-idle")
+    want = exact.engine.call(lambda: exact.engine.pool.read_tokens(exact._session.kv.seq, 0,
+                                                                   exact.num_cached_tokens).clone())
+    exact.close()
+    _converse(_engine("int8"), "int8-idle").close()
+    chunks, info = _chunks("int8-idle")
+    assert len(chunks) >= 3
+    reading = []  # one entry per read in flight
+    seen: list[int] = []  # reads in flight as each fill began
+
+    def read_chunk(self, *args):  # type: ignore[no-untyped-def]
+        reading.append(1)
+        try:
+            return original_read(self, *args)
+        finally:
+            reading.pop()
+
+    def fill(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(len(reading))
+        return original_fill(self, *args)
+
+    original_read, original_fill = KVPersister._read_chunk, KVPersister._fill
+    monkeypatch.setattr(KVPersister, "_read_chunk", read_chunk)
+    monkeypatch.setattr(KVPersister, "_fill", fill)
+    again = Chat("int8-idle", engine=_engine("int8"), max_new_tokens=8, chunk_tokens=16)
+    restored = again.wait_restored()
+    assert restored.source == "disk" and restored.cached_tokens == info.n_cached and not restored.warning
+    assert len(seen) >= len(chunks) - 1 and seen == [0] * len(seen)  # (the last chunk may be a dense tail)
+    got = again.engine.call(lambda: again.engine.pool.read_tokens(again._session.kv.seq, 0, info.n_cached).clone())
+    assert float((got - want).abs().max()) <= TOLERANCE["int8"] * 2 * float(want.abs().max())
+    again.close()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_corrupt_compact_chunk_keeps_the_chunks_before_it(scheme: str) -> None:
+    _converse(_engine(scheme), "damaged").close()
+    store = default_store()
+    chunks, info = _chunks("damaged")
+    assert len(chunks) >= 4
+    path = store.path_of(chunks[2])
+    data = path.read_bytes()
+    path.write_bytes(data[:-20] + bytes(b ^ 0xFF for b in data[-20:]))
+    again = Chat("damaged", engine=_engine(scheme), max_new_tokens=8, chunk_tokens=16)
+    restored = again.wait_restored()
+    assert "checksum mismatch" in restored.warning
+    assert restored.cached_tokens == chunks[0].n_tokens + chunks[1].n_tokens  # the two before it count
+    again.send("One more.")  # re-prefills the rest, and says why
+    assert again.last_stats.reused_tokens == restored.cached_tokens
+    assert "quarantined" in again.last_stats.not_reused
     again.close()
 
 
