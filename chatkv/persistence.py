@@ -80,6 +80,20 @@ def _restore_readers() -> ThreadPoolExecutor:
         return _READERS
 
 
+def _device_bytes_read() -> int | None:
+    """Bytes the calling thread has had read from a storage device, not served
+    from the page cache (``read_bytes`` of ``/proc/thread-self/io``), or None
+    where the system does not say."""
+    try:
+        with open("/proc/thread-self/io", "rb") as f:
+            for line in f.read().splitlines():
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def start_restore_readers() -> None:
     """Start the process's restore reader threads now, if they are not running
     (the engine's warm-up does), so that a first restore does not start them."""
@@ -448,9 +462,10 @@ class KVPersister:
         (:meth:`ChunkSource.read_into`: one copy, then the checksum over the
         bytes where they landed); a compact chunk, or any chunk of a device
         pool, is read into memory of its own and written into its slots by the
-        loop (which dequantizes it): on a device as it comes, beside the next
-        reads; on the CPU up to :data:`RESTORE_AHEAD` at once, with the readers
-        idle. Chunks wholly inside the shared prefix are not read at all. What
+        loop (which dequantizes it): on a device, or where reads wait for the
+        disk, as it comes, beside the next reads; on the CPU, reading from the
+        page cache, up to :data:`RESTORE_AHEAD` at once with the readers idle.
+        Chunks wholly inside the shared prefix are not read at all. What
         counts is the longest run of chunks from the start that all read and
         verified.
         """
@@ -460,9 +475,11 @@ class KVPersister:
         chunks: list[ChunkInfo] = []  # chunks whose KV is in the pool (or shared), in order
         pending: deque[_ChunkRead] = deque()  # being read, not yet known good, in order
         fills: list[tuple[_ChunkRead, dict[str, torch.Tensor]]] = []  # read into memory of their own, in order
-        # On the CPU the loop's fills wait for the readers to be idle: its
-        # operators' threads and the readers on the same cores made both
-        # several times slower (an int4 chunk's fill 18 ms against 3).
+        # On the CPU the loop's fills wait for the readers to be idle while the
+        # reads copy from the page cache: its operators' threads and the readers
+        # busy on the same cores made both several times slower (an int4
+        # chunk's fill 18 ms against 3). Reads that wait for the device leave
+        # the cores free: the loop then fills beside them.
         apart = engine.pool.kv.device.type == "cpu"
         good = exact_until = plan.start
 
@@ -496,7 +513,7 @@ class KVPersister:
                 while pending and (len(pending) > keep or pending[0].done.done()):
                     read = pending.popleft()
                     try:
-                        tensors = read.done.result()  # CorruptChunkError once quarantined
+                        tensors, waited = read.done.result()  # CorruptChunkError once quarantined
                     except CorruptChunkError:
                         wait_all([r.done for r in pending])  # the readers idle (on the CPU)...
                         flush()  # ...while the loop writes the good chunks before it
@@ -506,8 +523,8 @@ class KVPersister:
                         count(read)
                         continue
                     fills.append((read, tensors))
-                    if not apart or len(fills) >= RESTORE_AHEAD or not pending:
-                        wait_all([r.done for r in pending] if apart else [])
+                    if not apart or waited or len(fills) >= RESTORE_AHEAD or not pending:
+                        wait_all([r.done for r in pending] if apart and not waited else [])
                         flush()
                 if keep == 0:
                     flush()
@@ -577,21 +594,27 @@ class KVPersister:
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
     def _read_chunk(self, stored: StoredKV, index: int, shape: tuple[int, int, int, int, int],
-                    buffers: "list[memoryview] | None") -> "dict[str, torch.Tensor] | None":
+                    buffers: "list[memoryview] | None") -> "tuple[dict[str, torch.Tensor] | None, bool]":
         """In a reader thread: open chunk ``index`` of ``stored`` and read it,
         checksum checked. With ``buffers`` (the bytes of its reserved slots,
         after scratch for its shared tokens) and a KV tensor of the pool's
         dtype and ``shape``, straight into them: returns None. Otherwise into
         memory of its own: returns its tensors, for :meth:`_fill` on the loop.
+        Also returns whether most of its bytes came from the device rather
+        than the page cache (:func:`_device_bytes_read`).
 
         Raises:
             CorruptChunkError, MissingChunkError: after quarantining the chunk.
         """
+        before = _device_bytes_read()
         source = stored.open(index)
         if buffers is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
             source.read_into({KV_TENSOR: buffers})
-            return None
-        return source.read_into({})
+            tensors = None
+        else:
+            tensors = source.read_into({})
+        after = _device_bytes_read()
+        return tensors, before is not None and after is not None and 2 * (after - before) > source.info.bytes
 
     def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
               skip: int, slots: list[int]) -> str:
