@@ -16,14 +16,18 @@ quantization; ``<part>`` is ``data``, ``scale`` or ``zero``), and ``tail``
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from chatkv import quant
 from chatkv.quant import (
     CAST_DTYPES,
     ROWWISE_SCHEMES,
     QuantizedKV,
     check_scheme,
     dequantize,
+    dequantize_int4_blocks_into,
     dequantize_rows_into,
     int4_group_size,
     quantize,
@@ -86,39 +90,72 @@ def unpack(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
 
 
 def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
-                shape: tuple[int, int, int, int, int], targets: list[tuple[int, torch.Tensor]]) -> bool:
+                shape: tuple[int, int, int, int, int], targets: list[tuple[int, torch.Tensor]]) -> None:
     """Write what :func:`unpack` would return straight into ``targets``: each
     ``(first, out)`` receives tokens ``first .. first + out.shape[2] - 1`` of
     the KV ``[L, 2, n, H, D]`` (``shape``), ``out`` being ``[L, 2, count, H, D]``
     (a slice of the block pool, strided; on a device, the codes are moved
     there and dequantized there). The same values bit for bit, with no dense
-    copy of the chunk in between. Returns False, writing nothing, for a
-    scheme whose parameters span a block's tokens (int4: use :func:`unpack`).
+    copy of the chunk in between: row-wise schemes dequantize each run of
+    rows where it belongs; int4, whose keys share a range per block, a few
+    layers at a time through float32 scratch (:data:`chatkv.quant.ROW_TILE_ELEMS`).
 
     Raises:
         ValueError: tensors missing or of the wrong layout for ``scheme`` and ``shape``.
     """
-    if scheme not in ROWWISE_SCHEMES:
-        return False
     L, two, n, h, d = shape
     dtype = targets[0][1].dtype if targets else torch.float32
     full, tail, parts = _parts(tensors, scheme, block_size, shape, dtype)
     device = targets[0][1].device if targets else tail.device  # codes move, not the dense KV
     tail = tail.to(device)
-    rows = [(q.data.reshape(L, full, h, d).to(device),
-             None if q.scale is None else q.scale.reshape(L, full, h).to(device)) for q in parts]
     for first, out in targets:
         last = first + out.shape[2]
         assert 0 <= first and last <= n and out.shape[:2] == (L, two), (first, tuple(out.shape), shape)
-        if first < full:  # the quantized rows
-            upto = min(last, full)
-            for i, (data, scale) in enumerate(rows):
-                dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
-                                     out[:, i, : upto - first])
         if last > full:  # the exact tail
             lo = max(first, full)
             out[:, :, lo - first:].copy_(tail[:, :, lo - full: last - full])
-    return True
+    if not full:
+        return
+    if scheme == "int4":
+        _int4_into(parts, L, full, block_size, targets, device)
+        return
+    if scheme not in ROWWISE_SCHEMES:  # none today: every compact scheme has its way above
+        dense = unpack(tensors, scheme, block_size, shape, dtype).to(device)
+        for first, out in targets:
+            upto = min(first + out.shape[2], full)
+            if first < upto:
+                out[:, :, : upto - first].copy_(dense[:, :, first:upto])
+        return
+    rows = [(q.data.reshape(L, full, h, d).to(device),
+             None if q.scale is None else q.scale.reshape(L, full, h).to(device)) for q in parts]
+    for first, out in targets:
+        upto = min(first + out.shape[2], full)
+        if first < upto:  # the quantized rows
+            for i, (data, scale) in enumerate(rows):
+                dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
+                                     out[:, i, : upto - first])
+
+
+def _int4_into(parts: list[QuantizedKV], layers: int, full: int, block_size: int,
+               targets: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+    """The quantized tokens (``0 .. full - 1``) of int4 K and V ``parts`` into
+    ``targets`` (see :func:`unpack_into`), dequantized a few layers at a time."""
+    nb = full // block_size
+    per_layer = full * parts[0].shape[2] * parts[0].shape[3]
+    step = max(1, quant.ROW_TILE_ELEMS // per_layer) if device.type == "cpu" else layers
+    wide = torch.empty(min(step, layers) * per_layer, dtype=torch.float32, device=device)
+    for i, q in enumerate(parts):
+        q = dataclasses.replace(q, data=q.data.to(device), scale=q.scale.to(device),  # type: ignore[union-attr]
+                                zero=q.zero.to(device))  # type: ignore[union-attr]
+        for l0 in range(0, layers, step):
+            l1 = min(layers, l0 + step)
+            tile = wide[: (l1 - l0) * per_layer].view((l1 - l0) * nb, *q.shape[1:])
+            dequantize_int4_blocks_into(q, l0 * nb, l1 * nb, tile)
+            rows = tile.view(l1 - l0, full, *q.shape[2:])
+            for first, out in targets:
+                upto = min(first + out.shape[2], full)
+                if first < upto:
+                    out[l0:l1, i, : upto - first].copy_(rows[:, first:upto])
 
 
 def _parts(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,

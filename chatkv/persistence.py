@@ -624,8 +624,9 @@ class KVPersister:
         pool = self.engine.pool
         try:
             packed = parse_packed(base, KV_FORMAT_VERSION)
-            if packed is not None and unpack_into(tensors, packed[0], packed[1], shape,
-                                                  [(skip + at, view) for at, view in pool.slot_views(slots)]):
+            if packed is not None:
+                unpack_into(tensors, packed[0], packed[1], shape,
+                            [(skip + at, view) for at, view in pool.slot_views(slots)])
                 return ""  # dequantized straight into the slots
         except ValueError as exc:
             return f"packed KV: {exc}"

