@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from chatkv import heap
 from chatkv.attention import get_backend
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
@@ -169,6 +170,21 @@ class Engine:
             else:
                 log.debug("the decode step is not compiled: %s", why)
                 self.compiled.set_result(0)
+        # Once warmed up (and compiled), the heap made so far stays out of the
+        # garbage collector's walks until close (chatkv.heap).
+        self._heap_lock = threading.Lock()
+        self._heap_frozen = self._heap_closed = False
+        if self.warmed is not None:
+            startup = [self.warmed, self.compiled]
+            for job in startup:
+                job.add_done_callback(lambda _: all(f.done() for f in startup) and self._freeze_heap())
+
+    def _freeze_heap(self) -> None:
+        """After the warm-up and the compile: freeze the heap made so far
+        (:func:`chatkv.heap.freeze`), once, unless the engine is closing."""
+        with self._heap_lock:
+            if not self._heap_closed and not self._heap_frozen:
+                self._heap_frozen = heap.freeze()
 
     def wait_warm(self, timeout: float | None = None) -> int:
         """Block until the background warm-up and the decode step's compile have
@@ -325,6 +341,11 @@ class Engine:
         """
         if self.scheduler.closed:
             return
+        with self._heap_lock:
+            self._heap_closed = True
+            if self._heap_frozen:
+                heap.release()
+                self._heap_frozen = False
         self.sessions.close_all()
         self.sessions.stop_maintenance()
         with _ENGINES_LOCK:
