@@ -174,21 +174,28 @@ class Engine:
         # garbage collector's walks until close (chatkv.heap).
         self._heap_lock = threading.Lock()
         self._heap_frozen = self._heap_closed = False
+        self._heap_settled = threading.Event()  # frozen, or left alone
         if self.warmed is not None:
             startup = [self.warmed, self.compiled]
             for job in startup:
                 job.add_done_callback(lambda _: all(f.done() for f in startup) and self._freeze_heap())
+        else:
+            self._heap_settled.set()
 
     def _freeze_heap(self) -> None:
         """After the warm-up and the compile: freeze the heap made so far
         (:func:`chatkv.heap.freeze`), once, unless the engine is closing."""
-        with self._heap_lock:
-            if not self._heap_closed and not self._heap_frozen:
-                self._heap_frozen = heap.freeze()
+        try:
+            with self._heap_lock:
+                if not self._heap_closed and not self._heap_frozen:
+                    self._heap_frozen = heap.freeze()
+        finally:
+            self._heap_settled.set()
 
     def wait_warm(self, timeout: float | None = None) -> int:
         """Block until the background warm-up and the decode step's compile have
-        finished, so that what follows is timed without them; returns the tokens
+        finished (and the heap they leave is frozen, :mod:`chatkv.heap`), so
+        that what follows is timed without them; returns the tokens
         the warm-up ran (0 when warm-up is off).
 
         Raises:
@@ -196,8 +203,14 @@ class Engine:
             Exception: whatever the warm-up raised (a failed compile is logged, not raised).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         n = 0 if self.warmed is None else self.warmed.result(timeout=timeout)
-        self.compiled.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.compiled.result(timeout=left())
+        if not self._heap_settled.wait(left()):  # the heap frozen after both (chatkv.heap)
+            raise TimeoutError("the engine's warm-up has not finished")
         return n
 
     def _compile(self) -> None:

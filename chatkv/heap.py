@@ -15,9 +15,12 @@ as vLLM does at the end of its startup); later collections walk only the
 objects made since (a full collection: 0.4 ms against 405 ms). The young
 generations are collected first; what the oldest holds that is already
 garbage (about 19,000 objects after a SmolLM2 warm-up) stays until the last
-engine that froze is closed, when :func:`release` unfreezes. A full collection
-first would have cost each engine a 0.4 s pause. ``CHATKV_GC_FREEZE=0`` leaves
-the collector alone.
+engine that froze is closed, when :func:`release` unfreezes; the next freeze
+then collects every generation first (a 0.3 to 1 s pause in that engine's
+warm-up), or a process that makes and closes engines one after another would
+keep each closed one's pool, frozen with the rest. ``CHATKV_GC_FREEZE=0``
+leaves the collector alone (the test suite, which makes hundreds of engines,
+sets it and tests the freeze on its own).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ FREEZE_ENV = "CHATKV_GC_FREEZE"
 
 _lock = threading.Lock()
 _holders = 0
+#: Objects have been unfrozen since the last freeze: what closed engines left
+#: in cycles is among them, and a freeze must not keep it.
+_unfrozen = False
 
 
 def enabled() -> bool:
@@ -43,18 +49,21 @@ def enabled() -> bool:
 
 
 def freeze() -> bool:
-    """Collect the young generations, then move every object the collector
-    tracks to its permanent generation, and count one more holder (an engine,
-    which calls :func:`release` when it closes). Returns False, doing nothing,
-    where ``$CHATKV_GC_FREEZE`` turns it off."""
-    global _holders
+    """Collect the young generations (every generation, where an earlier
+    :func:`release` unfroze objects: a closed engine's pool may be garbage
+    among them), then move every object the collector tracks to its
+    permanent generation, and count one more holder (an engine, which calls
+    :func:`release` when it closes). Returns False, doing nothing, where
+    ``$CHATKV_GC_FREEZE`` turns it off."""
+    global _holders, _unfrozen
     if not enabled():
         return False
     with _lock:
         started = time.perf_counter()
-        gc.collect(1)
+        gc.collect(2 if _unfrozen else 1)
         gc.freeze()
         _holders += 1
+        _unfrozen = False
         log.debug("froze %d objects out of the garbage collector's walks in %.1f ms",
                   gc.get_freeze_count(), (time.perf_counter() - started) * 1e3)
     return True
@@ -63,8 +72,9 @@ def freeze() -> bool:
 def release() -> None:
     """Count one holder less; the last one's release unfreezes every frozen
     object (the collector walks them again and frees what is garbage)."""
-    global _holders
+    global _holders, _unfrozen
     with _lock:
         _holders = max(0, _holders - 1)
         if _holders == 0:
             gc.unfreeze()
+            _unfrozen = True

@@ -16,6 +16,9 @@ os.environ.setdefault("CHATKV_DTYPE", "float32")
 # Decode steps run the model as it is unless a test asks for the compiled step
 # (compiling takes seconds per engine; tests/test_compile.py covers it).
 os.environ.setdefault("CHATKV_COMPILE", "off")
+# Hundreds of engines, each freezing the heap after its warm-up with a full collection
+# first (chatkv.heap): tests/test_heap.py tests it in a fresh interpreter.
+os.environ.setdefault("CHATKV_GC_FREEZE", "0")
 # Sessions on disk are always read back, not recomputed, unless a test asks
 # (the "auto" choice depends on measured timings; tests/test_costs.py covers it).
 os.environ.setdefault("CHATKV_RESTORE_POLICY", "restore")

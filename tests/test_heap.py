@@ -32,6 +32,9 @@ out.append(gc.get_freeze_count())            # the last one out unfreezes
 c = engine(warmup=False)
 out.append(gc.get_freeze_count())            # no warm-up: not frozen
 c.close()
+again = engine()
+out.append(gc.get_freeze_count())            # frozen again (everything collected first)
+again.close()
 os.environ["CHATKV_GC_FREEZE"] = "0"
 d = engine()
 out.append(gc.get_freeze_count())            # switched off
@@ -48,8 +51,10 @@ def test_a_warmed_engine_freezes_the_heap_until_the_last_one_closes() -> None:
     done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=root,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    warmed, after_turn, one_left, none_left, no_warmup, off = (int(x) for x in done.stdout.split("counts")[-1].split())
+    counts = (int(x) for x in done.stdout.split("counts")[-1].split())
+    warmed, after_turn, one_left, none_left, no_warmup, refrozen, off = counts
     assert warmed > 10_000  # torch, transformers, the model: what the process had made
     assert 0 < after_turn <= warmed  # the turn's objects are walked as usual (frozen ones may die)
     assert one_left >= after_turn
     assert none_left == 0 and no_warmup == 0 and off == 0
+    assert refrozen > 10_000
