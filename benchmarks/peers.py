@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from benchmarks.measure import Sample, Unavailable, idle_before_turn, sample_for
+from benchmarks.measure import Sample, Unavailable, idle_before_turn, raw_read, sample_for
 from benchmarks.workload import Point
 
 # --- transformers -----------------------------------------------------------------------
@@ -206,6 +206,7 @@ class HFHandmadeResume:
 
         path = self.history.saved(point)
         hf = self.history.hf
+        raw_read([path])  # in the page cache, as the row says (this VM's kernel pages out files idle a minute)
         idle_before_turn()
         t0 = time.perf_counter()
         tensors = load_file(str(path))
