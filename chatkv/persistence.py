@@ -514,7 +514,7 @@ class KVPersister:
                     read = pending.popleft()
                     try:
                         tensors, waited = read.done.result()  # CorruptChunkError once quarantined
-                    except CorruptChunkError:
+                    except BaseException:  # (an OSError too): nothing from here on counts
                         wait_all([r.done for r in pending])  # the readers idle (on the CPU)...
                         flush()  # ...while the loop writes the good chunks before it
                         raise
@@ -528,7 +528,7 @@ class KVPersister:
                         flush()
                 if keep == 0:
                     flush()
-            except CorruptChunkError:
+            except BaseException:
                 for later in pending:  # what was read after it cannot be used; let it finish
                     later.done.exception()
                 pending.clear()

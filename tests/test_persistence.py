@@ -162,6 +162,42 @@ def test_corrupt_or_missing_chunk_costs_a_reprefill_not_the_conversation(damage,
     again.close()
 
 
+def test_a_read_that_fails_midway_keeps_only_the_chunks_before_it(monkeypatch):
+    # An I/O error (not a checksum mismatch) from one chunk's read: the chunks
+    # read after it, even if their reads succeeded, must not be committed.
+    from chatkv.storage import chunkfile
+
+    engine = fresh_engine()
+    chat = open_chat(engine, "eio", system="sys " * 10, max_new_tokens=10, stop=[])
+    chat.send("first message here")
+    chat.send("second message here")
+    chat.close()
+    ref = open_chat(fresh_engine(), "eio-ref", persist=False, system="sys " * 10, max_new_tokens=10, stop=[])
+    for text in ["first message here", "second message here", "third"]:
+        ref.send(text)
+    chunks = default_store().kv_chunks("eio")
+    assert len(chunks) >= 4
+    victim = chunks[1].hash
+    real = chunkfile.ChunkReader.read_into
+
+    def read_into(self, buffers, *, verify=True):
+        if self.hash == victim:
+            raise OSError(5, "Input/output error")
+        return real(self, buffers, verify=verify)
+
+    monkeypatch.setattr(chunkfile.ChunkReader, "read_into", read_into)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        again = open_chat(fresh_engine(), "eio", max_new_tokens=10, stop=[])
+        info = again.wait_restored()
+    assert "Input/output error" in info.warning
+    assert info.cached_tokens == CHUNK  # the chunk before it; none after it
+    monkeypatch.undo()
+    again.send("third")
+    assert again.last_stats.token_ids == ref.last_stats.token_ids
+    again.close()
+
+
 def test_a_second_process_gets_a_clear_lock_error():
     engine = fresh_engine()
     chat = open_chat(engine, "locked")
