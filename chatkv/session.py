@@ -44,7 +44,7 @@ from chatkv.tiers import Tier, TieredKV
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
-    from chatkv.storage import Lease, SessionInfo, Store
+    from chatkv.storage import Lease, SessionInfo, Store, StoredKV
 
 log = logging.getLogger(__name__)
 
@@ -735,14 +735,20 @@ class SessionManager:
         if not n_cached:
             session.ready.set()
             return
-        threading.Thread(target=self._restore_at_open, args=(session, info), name=f"chatkv-restore-{sid}",
-                         daemon=True).start()
+        stored = None  # the chunk list, read here where the restore would share the GIL with the turn
+        if info.fingerprint == engine.loaded.fingerprint:
+            try:
+                stored = store.open_kv(sid, fingerprint=engine.loaded.fingerprint)
+            except Exception as exc:  # noqa: BLE001 - the restore reads it again and handles what fails
+                log.debug("session %r: reading its chunk list at open failed (%s); the restore will", sid, exc)
+        threading.Thread(target=self._restore_at_open, args=(session, info, stored),
+                         name=f"chatkv-restore-{sid}", daemon=True).start()
 
-    def _restore_at_open(self, session: Session, facts: "SessionInfo") -> None:
+    def _restore_at_open(self, session: Session, facts: "SessionInfo", stored: "StoredKV | None" = None) -> None:
         info = session.restore
         try:
             saved = session.persister.restore(session.kv, info, need_room=True,  # type: ignore[union-attr]
-                                              session=facts)
+                                              session=facts, stored=stored)
             if saved is not None:
                 session.saved = saved
         except Exception as exc:  # a storage failure costs a re-prefill, never the session
