@@ -726,6 +726,12 @@ class SessionManager:
             kv.disk_bytes = info.kv_bytes
             kv.keep_resident, kv.kv_ttl_s = info.pinned, info.kv_ttl_s  # retention stored with the session
             kv.pins = 1 if n_cached else 0
+            stored = None  # the chunk list, read here where the restore would share the GIL with the turn
+            if n_cached and info.fingerprint == engine.loaded.fingerprint:
+                try:
+                    stored = store.open_kv(sid, fingerprint=engine.loaded.fingerprint)
+                except Exception as exc:  # noqa: BLE001 - the restore reads it again and handles what fails
+                    log.debug("session %r: reading its chunk list at open failed (%s); the restore will", sid, exc)
             engine.call(lambda: engine.tiers.register(kv), "register")
         except BaseException:
             store.release_lease(sid)
@@ -735,12 +741,6 @@ class SessionManager:
         if not n_cached:
             session.ready.set()
             return
-        stored = None  # the chunk list, read here where the restore would share the GIL with the turn
-        if info.fingerprint == engine.loaded.fingerprint:
-            try:
-                stored = store.open_kv(sid, fingerprint=engine.loaded.fingerprint)
-            except Exception as exc:  # noqa: BLE001 - the restore reads it again and handles what fails
-                log.debug("session %r: reading its chunk list at open failed (%s); the restore will", sid, exc)
         threading.Thread(target=self._restore_at_open, args=(session, info, stored),
                          name=f"chatkv-restore-{sid}", daemon=True).start()
 
