@@ -119,7 +119,7 @@ def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
     if scheme == "int4":
         _int4_into(parts, L, full, block_size, targets, device)
         return
-    if scheme not in ROWWISE_SCHEMES:  # none today: every compact scheme has its way above
+    if scheme not in ROWWISE_SCHEMES:  # "none": a packed format chatkv never writes, but one it reads
         dense = unpack(tensors, scheme, block_size, shape, dtype).to(device)
         for first, out in targets:
             upto = min(first + out.shape[2], full)
