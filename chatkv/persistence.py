@@ -610,13 +610,12 @@ class KVPersister:
         Raises:
             CorruptChunkError, MissingChunkError: after quarantining the chunk.
         """
-        before = _device_bytes_read()
         source = stored.open(index)
         if buffers is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
             source.read_into({KV_TENSOR: buffers})
-            tensors = None
-        else:
-            tensors = source.read_into({})
+            return None, False  # (only a chunk the loop writes needs to know)
+        before = _device_bytes_read()
+        tensors = source.read_into({})
         after = _device_bytes_read()
         return tensors, before is not None and after is not None and 2 * (after - before) > source.info.bytes
 
