@@ -124,11 +124,16 @@ def _digest(algorithm: str, entries: Mapping[str, tuple[torch.dtype, tuple[int, 
     total = 0
     for name in sorted(entries):
         dtype, shape, buffers = entries[name]
-        h.update(f"{name}\0{str(dtype)}\0{shape}\n".encode())
+        h.update(_entry_header(name, dtype, shape))
         for buf in buffers:
             h.update(buf)
             total += memoryview(buf).nbytes
     return f"{algorithm}:" + h.hexdigest(), total
+
+
+def _entry_header(name: str, dtype: Any, shape: tuple[int, ...]) -> bytes:
+    """What the payload checksum hashes before a tensor's bytes: its name, dtype and shape."""
+    return f"{name}\0{str(dtype)}\0{shape}\n".encode()
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -539,7 +544,7 @@ class ChunkReader:
             raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
         fresh: dict[str, torch.Tensor] = {}
         views: dict[str, list[memoryview]] = {}
-        for name, (offset, nbytes) in self._spans.items():
+        for name, (_, nbytes) in self._spans.items():
             if name in buffers:
                 bufs = [memoryview(b).cast("B") for b in buffers[name]]
                 if sum(b.nbytes for b in bufs) != nbytes:
@@ -549,12 +554,31 @@ class ChunkReader:
                 dtype, shape = self.shapes[name]
                 fresh[name] = torch.empty(shape, dtype=dtype)
                 bufs = [fresh[name].view(-1).view(torch.uint8).numpy().data] if nbytes else []
-            _preadv_all(self._fd, bufs, offset, self.hash)
             views[name] = bufs
-        if verify:
-            entries = {name: (*self.shapes[name], bufs) for name, bufs in views.items()}
-            entries[TOKEN_IDS_KEY] = _entry(self._ids)
-            _verify_checksum(self.metadata, entries, self.hash)
+        if not verify:
+            for name, bufs in views.items():
+                _preadv_all(self._fd, bufs, self._spans[name][0], self.hash)
+            return fresh
+        # The checksum's order (names sorted, the token ids among them), each
+        # tensor read a slice at a time and hashed while the slice is still in
+        # the core's cache: hashing it from memory after the whole read cost
+        # about a third of a restore's reads.
+        algorithm, _, expected = (self.metadata.get("checksum") or "").partition(":")
+        try:
+            h = _hasher(algorithm)
+        except ValueError as e:
+            raise CorruptChunkError(self.hash, str(e)) from e
+        for name in sorted([*views, TOKEN_IDS_KEY]):
+            if name == TOKEN_IDS_KEY:
+                dtype, shape, ids = _entry(self._ids)
+                h.update(_entry_header(name, dtype, shape))
+                for buf in ids:
+                    h.update(buf)
+                continue
+            h.update(_entry_header(name, *self.shapes[name]))
+            _read_hashed(self._fd, views[name], self._spans[name][0], self.hash, h)
+        if h.hexdigest() != expected:
+            raise CorruptChunkError(self.hash, "payload checksum mismatch")
         return fresh
 
 
@@ -608,6 +632,35 @@ def open_chunk_file(
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024,
                1024)
+
+
+#: Bytes per ``preadv`` while :meth:`ChunkReader.read_into` checks the checksum
+#: as it reads: few enough that xxh3 finds them in the core's L2 cache (about
+#: 80 GB/s a thread there, 26 from memory, on this project's VM).
+HASHED_READ_BYTES = 256 << 10
+
+
+def _read_hashed(fd: int, bufs: list[memoryview], offset: int, chunk: ChunkHash, h: Any) -> None:
+    """Fill ``bufs`` in order from ``fd`` at ``offset`` (as :func:`_preadv_all`),
+    :data:`HASHED_READ_BYTES` at a time, feeding each slice to the hasher ``h``
+    right after it is read. Raises CorruptChunkError at an early end."""
+    group: list[memoryview] = []
+    size = 0
+    for buf in bufs:
+        for at in range(0, buf.nbytes, HASHED_READ_BYTES):
+            piece = buf[at: at + HASHED_READ_BYTES]
+            group.append(piece)
+            size += piece.nbytes
+            if size >= HASHED_READ_BYTES:
+                _preadv_all(fd, group, offset, chunk)
+                for done in group:
+                    h.update(done)
+                offset += size
+                group, size = [], 0
+    if group:
+        _preadv_all(fd, group, offset, chunk)
+        for done in group:
+            h.update(done)
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], offset: int, chunk: ChunkHash) -> None:

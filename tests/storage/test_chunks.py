@@ -299,6 +299,34 @@ def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(st
         assert torch.equal(torch.frombuffer(dest, dtype=torch.float32).view(2, 3), extra["kv"])
 
 
+@pytest.mark.parametrize("slice_bytes", [1 << 20, 96, 7])
+def test_read_into_hashes_slice_by_slice_with_the_same_bytes_and_verdict(store: Store, monkeypatch,
+                                                                         slice_bytes: int) -> None:
+    """A chunk read a slice at a time, each slice hashed as it lands (slices that
+    cut across the caller's pieces and the tensors read anew), gives the bytes
+    and the checksum verdict of one whole read: a byte flipped in its last
+    slice is found."""
+    from chatkv.storage import chunkfile
+
+    monkeypatch.setattr(chunkfile, "HASHED_READ_BYTES", slice_bytes)
+    extra = {"kv": torch.randn(4, 33), "scale": torch.rand(50)}
+    store.open_session("s")
+    r = store.save_kv("s", token_ids=list(range(20)), fingerprint=FP, chunks=[NewChunk(20, extra, META)])
+    dest = bytearray(4 * 33 * 4)
+    (source,) = list(store.open_kv("s"))
+    fresh = source.read_into({"kv": [memoryview(dest)[:100], memoryview(dest)[100:]]})
+    assert torch.equal(torch.frombuffer(dest, dtype=torch.float32).view(4, 33), extra["kv"])
+    assert set(fresh) == {"scale"} and torch.equal(fresh["scale"], extra["scale"])
+    path = store.path_of(r.chunks[0])
+    data = bytearray(path.read_bytes())
+    at = data.find(extra["kv"].numpy().tobytes()) + 4 * 33 * 4 - 2  # in the KV's last bytes
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    (source,) = list(store.open_kv("s"))
+    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
+        source.read_into({"kv": [bytearray(4 * 33 * 4)]})
+
+
 def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
     ids = list(range(70))
     store.open_session("s")
