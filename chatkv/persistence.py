@@ -566,14 +566,9 @@ class KVPersister:
                 skip = max(0, plan.start - off)
                 lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
                 info.bytes_read += chunk.bytes
-                buffers = None
-                if plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT):
-                    scratch = memoryview(bytearray(L * two * skip * row))  # the shared tokens' bytes
-                    buffers = []
-                    for j, views in enumerate(plan.buffers):
-                        buffers.append(scratch[j * skip * row: (j + 1) * skip * row])
-                        buffers.extend(_cut(views, lo * row, hi * row))
-                done = readers.submit(self._read_chunk, stored, index, (L, two, n, h, d), buffers)
+                into = (plan.buffers, skip * row, lo * row, hi * row) \
+                    if plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT) else None
+                done = readers.submit(self._read_chunk, stored, index, (L, two, n, h, d), into)
                 submitted.append(done)
                 pending.append(_ChunkRead(done, chunk, base, n, off + n, skip, plan.slots[lo:hi]))
                 off += n
@@ -598,11 +593,14 @@ class KVPersister:
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
     def _read_chunk(self, stored: StoredKV, index: int, shape: tuple[int, int, int, int, int],
-                    buffers: "list[memoryview] | None") -> "tuple[dict[str, torch.Tensor] | None, bool]":
+                    into: "tuple[list[list[memoryview]], int, int, int] | None",
+                    ) -> "tuple[dict[str, torch.Tensor] | None, bool]":
         """In a reader thread: open chunk ``index`` of ``stored`` and read it,
-        checksum checked. With ``buffers`` (the bytes of its reserved slots,
-        after scratch for its shared tokens) and a KV tensor of the pool's
-        dtype and ``shape``, straight into them: returns None. Otherwise into
+        checksum checked. With ``into`` (the restore's slot buffers per layer
+        and K/V, :attr:`_RestorePlan.buffers`; the bytes of the chunk's tokens
+        in the shared prefix, which go to scratch; and the byte range of its
+        reserved slots in each buffer list) and a KV tensor of the pool's dtype
+        and ``shape``, straight into those slots: returns None. Otherwise into
         memory of its own: returns its tensors, for :meth:`_fill` on the loop.
         Also returns whether most of its bytes came from the device rather
         than the page cache (:func:`_device_bytes_read`).
@@ -611,7 +609,13 @@ class KVPersister:
             CorruptChunkError, MissingChunkError: after quarantining the chunk.
         """
         source = stored.open(index)
-        if buffers is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
+        if into is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
+            views, shared, lo, hi = into
+            scratch = memoryview(bytearray(len(views) * shared))
+            buffers: list[memoryview] = []
+            for j, layer in enumerate(views):
+                buffers.append(scratch[j * shared: (j + 1) * shared])
+                buffers.extend(_cut(layer, lo, hi))
             source.read_into({KV_TENSOR: buffers})
             return None, False  # (only a chunk the loop writes needs to know)
         before = _device_bytes_read()
