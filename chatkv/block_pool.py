@@ -60,10 +60,15 @@ def slot_runs(slots: Seq[int]) -> list[tuple[int, int, int]]:
     entry, its first slot, its length)``. A sequence's blocks are usually
     consecutive in the pool, so a restore writes each chunk as one slice copy
     per layer instead of an indexed copy per token."""
+    n = len(slots)
+    if n > 64:  # a restore's thousands of slots: the breaks found by numpy, not a Python loop
+        breaks = (np.flatnonzero(np.diff(np.asarray(slots, dtype=np.int64)) != 1) + 1).tolist()
+        starts = [0, *breaks]
+        return [(a, int(slots[a]), b - a) for a, b in zip(starts, [*breaks, n])]
     runs: list[tuple[int, int, int]] = []
     start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+    for i in range(1, n + 1):
+        if i == n or slots[i] != slots[i - 1] + 1:
             runs.append((start, slots[start], i - start))
             start = i
     return runs
@@ -186,6 +191,7 @@ class BlockPool:
         device = torch.device(device)
         alloc = torch.zeros if device.type != "cpu" else torch.empty  # CPU: commit pages lazily
         self.kv = alloc((num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)
+        self._bytes: memoryview | None = None  # the host pool's bytes, made by slot_buffers
         assert self.kv.shape == (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
@@ -595,10 +601,13 @@ class BlockPool:
         if self.kv.device.type != "cpu":
             return None
         L, two, nb, bs, h, d = self.kv.shape
-        flat = self.kv.view(L, two, nb * bs, h, d)
-        runs = slot_runs(slots)
-        return [[flat[layer, i, slot : slot + length].view(torch.uint8).numpy().data.cast("B")
-                 for _, slot, length in runs] for layer in range(L) for i in range(two)]
+        if self._bytes is None:  # the whole pool as bytes, sliced below (far cheaper than a tensor view each)
+            assert self.kv.is_contiguous()
+            self._bytes = self.kv.view(-1).view(torch.uint8).numpy().data.cast("B")
+        row = h * d * self.kv.element_size()
+        plane = nb * bs * row  # one layer's K (or V)
+        runs = [(slot * row, (slot + length) * row) for _, slot, length in slot_runs(slots)]
+        return [[self._bytes[base + a: base + b] for a, b in runs] for base in range(0, L * two * plane, plane)]
 
     def read_tokens(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from chatkv import block_pool as bp
-from chatkv.block_pool import BlockPool
+from chatkv.block_pool import BlockPool, slot_runs
 from chatkv.errors import OutOfBlocksError
 from chatkv.sequence import Sequence
 
@@ -237,3 +239,20 @@ def test_commit_pages_writes_only_free_blocks():
     assert pool.commit_pages(3 * per_block) == 1  # blocks 0 and 1 are in use: block 2 only
     assert pool.commit_pages(100 * per_block) == 6
     assert torch.equal(pool.read_tokens(seq, 0, 6), before)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 64, 65, 300])
+def test_slot_runs_cuts_slots_into_consecutive_runs(n):
+    rng = random.Random(n)
+    slots, at = [], 0
+    while len(slots) < n:  # runs of random lengths at random places, some touching
+        at += rng.choice([1, 2, 17])
+        length = rng.randint(1, 40)
+        slots.extend(range(at, at + length))
+        at += length - 1
+    slots = slots[:n]
+    runs = slot_runs(slots)
+    assert [s for _, first, length in runs for s in range(first, first + length)] == slots
+    assert [i for i, _, _ in runs] == [sum(r[2] for r in runs[:k]) for k in range(len(runs))]
+    assert all(slots[i + length - 1] + 1 != (slots[i + length] if i + length < n else None)
+               for i, _, length in runs)  # each run as long as it goes
