@@ -463,8 +463,8 @@ class KVPersister:
         check the chunks, up to :data:`RESTORE_AHEAD` at a time, while this
         thread takes them in order (:meth:`_read_chunk`). On a host pool, a
         chunk in the pool's own layout is read straight into its slots
-        (:meth:`ChunkSource.read_into`: one copy, then the checksum over the
-        bytes where they landed); a compact chunk, or any chunk of a device
+        (:meth:`ChunkSource.read_into`: one copy, the checksum taken over each
+        slice where it landed); a compact chunk, or any chunk of a device
         pool, is read into memory of its own and written into its slots by the
         loop (which dequantizes it): on a device, or where reads wait for the
         disk, as it comes, beside the next reads; on the CPU, reading from the

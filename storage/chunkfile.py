@@ -484,9 +484,9 @@ class ChunkReader:
     Made by :func:`open_chunk_file`; a context manager (closes the file). Where
     :func:`read_chunk_file` maps the file and leaves the caller to copy the
     tensors where they belong, :meth:`read_into` reads each tensor's bytes with
-    one ``preadv`` into the caller's buffers (a block pool's slots, say): one
-    copy from the page cache, with no page faults on a mapping, then the
-    payload checksum over the bytes where they landed.
+    ``preadv`` into the caller's buffers (a block pool's slots, say): one copy
+    from the page cache, with no page faults on a mapping, the payload
+    checksum taken over each slice where it landed, as it lands.
 
     Attributes:
         hash, parent, token_ids, metadata: as in :class:`ChunkFile`.
@@ -527,7 +527,8 @@ class ChunkReader:
         """Read every tensor: each one named in ``buffers`` into those writable
         buffers (bytes-like, C-contiguous), which it fills in order and which
         together hold exactly its bytes; every other one into new memory. With
-        ``verify``, then check the payload checksum over what was read.
+        ``verify``, check the payload checksum over what was read, fed a
+        slice (:data:`HASHED_READ_BYTES`) at a time as each one lands.
 
         Returns:
             The tensors read into new memory, by name (not those in ``buffers``).
@@ -559,10 +560,10 @@ class ChunkReader:
             for name, bufs in views.items():
                 _preadv_all(self._fd, bufs, self._spans[name][0], self.hash)
             return fresh
-        # The checksum's order (names sorted, the token ids among them), each
+        # In the checksum's order (names sorted, the token ids among them), each
         # tensor read a slice at a time and hashed while the slice is still in
-        # the core's cache: hashing it from memory after the whole read cost
-        # about a third of a restore's reads.
+        # the core's cache. Hashing whole chunks from memory after reading them
+        # took a fifth of a restore (12.3 against 9.9 ms at 1.9k tokens).
         algorithm, _, expected = (self.metadata.get("checksum") or "").partition(":")
         try:
             h = _hasher(algorithm)
