@@ -541,6 +541,7 @@ class KVPersister:
 
         off = 0
         failure: CorruptChunkError | None = None
+        unread = False  # chunks left on disk for want of room in the pool (still valid there)
         readers = _restore_readers()
         submitted: list[Future] = []  # all waited for before the restore ends, whatever happens
         try:
@@ -557,6 +558,7 @@ class KVPersister:
                     kv.lost = stop = "its stored KV mixed differently shifted windows"
                 elif off + n > plan.end:
                     info.warning = stop = f"session {kv.session_id!r}: the KV pool is full; loaded part of its KV"
+                    unread = True
                 if stop is not None:
                     break
                 if off + n <= plan.start:
@@ -589,6 +591,8 @@ class KVPersister:
                        if isinstance(failure, MissingChunkError)
                        else f"stored KV chunk {failure.chunk_hash[:12]} failed verification and was quarantined")
         info.cached_tokens = kv.seq.num_computed
+        if unread and failure is None and len(chunks) == index:  # all read up to the room: the rest stays valid
+            return SavedKV(stored.token_ids, list(stored.chunks), shift)
         kept = sum(c.n_tokens for c in chunks)
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 

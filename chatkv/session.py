@@ -37,7 +37,7 @@ from chatkv.block_pool import Alignment
 from chatkv.sequence import Shift
 from chatkv.config import SamplingParams
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
-from chatkv.persistence import KVPersister, SavedKV
+from chatkv.persistence import KVPersister, SavedKV, Snapshot
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import LeaseLostError, NewMessage, StorageError
 from chatkv.tiers import Tier, TieredKV
@@ -140,6 +140,13 @@ def _common(a: list[Message], b: list[Message]) -> int:
     while i < n and _same(a[i], b[i]):
         i += 1
     return i
+
+
+def _prefix_of(snap: Snapshot, saved: SavedKV) -> bool:
+    """Whether the KV ``snap`` would write is a shorter prefix of what the store
+    already holds (``saved``), in the same window."""
+    n = len(snap.token_ids)
+    return snap.shift == saved.shift and n < len(saved.token_ids) and saved.token_ids[:n] == snap.token_ids
 
 
 def _log_failure(future: "Future[object]") -> None:
@@ -526,7 +533,7 @@ class Session:
                         view = ids[: shift.sink] + ids[shift.sink + shift.dropped:]
                     self.engine.pool.trim_to(seq, view)
             self.engine.call(trim, "trim dead KV")
-        self.persist()
+        self.persist(shrink=True)
 
     def set_retention(self, pin: bool | None = None, ttl_s: float | None | object = ...) -> None:
         """Keep the session's KV on the device however long it idles (``pin``;
@@ -566,10 +573,15 @@ class Session:
 
     # -- saving ----------------------------------------------------------------------
 
-    def persist(self, stats: TurnStats | None = None) -> None:
+    def persist(self, stats: TurnStats | None = None, *, shrink: bool = False) -> None:
         """Save what the store lacks: the history (rewritten from the first
         message that differs, in one transaction), then the KV chunks, if the
-        KV is on the device. Storage failures warn and leave the in-memory
+        KV is on the device. A device KV that is only a shorter prefix of the
+        stored one (a restore that chose to recompute, or that the pool could
+        hold only part of, and no turn since) leaves the stored KV as it is:
+        writing it would throw away KV that is still valid. With ``shrink`` (a
+        rewritten history) it is written, so the stored KV past the new
+        history goes too. Storage failures warn and leave the in-memory
         conversation intact (the next save retries). The caller holds :attr:`lock`.
 
         Raises:
@@ -585,6 +597,8 @@ class Session:
             snap = self.engine.call(
                 lambda: persister.snapshot(self.kv.seq, self.saved) if self.kv.tier is Tier.DEVICE else None,
                 "snapshot")
+            if snap is not None and not shrink and _prefix_of(snap, self.saved):
+                snap = None  # the store holds all of it and more
             if snap is not None:
                 self.saved, result = persister.write(self.session_id, snap)
                 self.kv.disk_bytes = sum(c.bytes for c in self.saved.chunks)

@@ -7,8 +7,9 @@ import pytest
 from chatkv import Chat, EngineConfig
 from chatkv.costs import CostModel, LinearCost, resolve_policy
 from chatkv.engine import Engine
-from chatkv.errors import ConfigError
+from chatkv.errors import ConfigError, OutOfBlocksError
 from chatkv.models import load_model
+from chatkv.persistence import default_store
 
 TURNS = ["Hello there", "Tell me a story", "And then?"]
 
@@ -114,4 +115,37 @@ def test_both_sides_of_the_break_even_point(side: str) -> None:
     chat.close()
     again = Chat("s", engine=_engine_measuring(1e-1, 1e-9), max_new_tokens=8, chunk_tokens=16)
     assert again.wait_restored().decision == "restore" and again.restore.cached_tokens > 0  # the KV is on disk
+    again.close()
+
+
+@pytest.mark.parametrize("how", ["recompute chosen", "pool too small for the turn"])
+def test_a_session_left_without_a_turn_keeps_its_stored_kv_whole(how: str, caplog) -> None:
+    """The device holding less of a session's KV than its disk does (a
+    recompute decision, or a pool with room for part of it and a turn that
+    then failed) is no reason to cut the KV on disk: closing such a session
+    leaves all of it there, and the next open restores it and answers as
+    before. (It used to be cut to what the device held: nothing, or a part.)"""
+    want = _stored_session("s")
+    store = default_store()
+    stored = store.get_session("s").n_cached
+    chunks = [c.hash for c in store.kv_chunks("s")]
+    if how == "recompute chosen":
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=256, block_size=4,
+                                                               restore_policy="recompute"))
+        chat = Chat("s", engine=engine, max_new_tokens=8, chunk_tokens=16)
+        assert chat.wait_restored().decision == "recompute"
+    else:  # 12 blocks of 4 tokens hold part of the history: the turn's restore loads that much, then fails
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=12, block_size=4,
+                                                               restore_policy="restore"))
+        chat = Chat("s", engine=engine, max_new_tokens=8, chunk_tokens=16)
+        with pytest.raises(OutOfBlocksError):
+            chat.send("One more.")
+        assert "loaded part of its KV" in caplog.text
+    chat.close()
+    engine.close()
+    assert store.get_session("s").n_cached == stored and [c.hash for c in store.kv_chunks("s")] == chunks
+    again = Chat("s", engine=_engine_measuring(1e-1, 1e-9), max_new_tokens=8, chunk_tokens=16)
+    assert again.wait_restored().cached_tokens == stored
+    again.send("One more.")
+    assert again.last_stats.token_ids == want
     again.close()
