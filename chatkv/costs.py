@@ -9,8 +9,9 @@ on a GPU a short history prefills faster than its KV can be read (SGLang's
 users measured disk hits slower than recompute at 8k tokens, sglang#26305).
 
 :class:`CostModel` learns both rates on the engine it serves (the warm-up and
-every prefill step feed the prefill rate, every restore the disk's) as a
-robust linear fit ``seconds = fixed + per_unit * size`` over recent samples, and
+every prefill step mostly over its own tokens feed the prefill rate, every
+restore the disk's) as a robust linear fit ``seconds = fixed + per_unit *
+size`` over recent samples, and
 :meth:`CostModel.choose` predicts both times for one session and picks one;
 the choice and its reason go into the restore's :class:`~chatkv.stats.RestoreInfo`
 and, when it recomputes, the next turn's ``not_reused``. Until both rates have
@@ -118,9 +119,16 @@ class CostModel:
         self.disk = LinearCost()
         """Seconds per restore from disk by the bytes it read."""
 
-    def record_prefill(self, tokens: int, seconds: float) -> None:
-        """One forward step of ``tokens`` new tokens took ``seconds`` (short steps are ignored)."""
-        if tokens >= MIN_PREFILL_TOKENS:
+    def record_prefill(self, tokens: int, seconds: float, context: int = 0) -> None:
+        """One forward step of ``tokens`` new tokens over ``context`` tokens
+        already cached took ``seconds``. Only steps of at least
+        :data:`MIN_PREFILL_TOKENS` mostly over their own tokens (``context`` at
+        most ``tokens``) are kept: what a recompute runs. A short turn over a
+        long history costs mostly its attention to that history; fitted per
+        new token beside fresh prefills, turns of sessions with different
+        histories made the slope negative, so it counted as 0 and a
+        recompute of any length was predicted to be free."""
+        if tokens >= MIN_PREFILL_TOKENS and context <= tokens:
             self.prefill.add(tokens, seconds)
 
     def record_restore(self, n_bytes: int, seconds: float) -> None:

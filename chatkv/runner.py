@@ -194,7 +194,9 @@ class ModelRunner:
             with ``all_logits``.
         """
         self.forward_calls += 1
-        timed = self.costs is not None and sum(len(item.tokens) for item in batch) >= MIN_PREFILL_TOKENS
+        new = sum(len(item.tokens) for item in batch)
+        context = sum(item.seq.num_computed for item in batch)  # cached before this step
+        timed = self.costs is not None and new >= MIN_PREFILL_TOKENS
         started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)
         graphs = self.decode_graphs
@@ -231,7 +233,7 @@ class ModelRunner:
         if timed:
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)  # prefill steps only: decode steps stay sync-free
-            self.costs.record_prefill(input_ids.shape[1], time.perf_counter() - started)  # type: ignore[union-attr]
+            self.costs.record_prefill(new, time.perf_counter() - started, context)  # type: ignore[union-attr]
         return logits
 
     def write_placeholder_history(self, seq: Sequence, token_ids: list[int]) -> None:

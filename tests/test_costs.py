@@ -58,6 +58,24 @@ def test_choice_counts_whole_steps() -> None:
     assert long.recompute_s == pytest.approx(0.080)
 
 
+def test_turns_over_long_histories_do_not_make_a_recompute_look_free() -> None:
+    """Returning turns (a few dozen tokens over histories of different
+    lengths) cost what their attention to the history costs, not what their
+    own tokens do: they are left out of the fit a recompute is predicted
+    from. Fitted with the fresh prefills, they made its slope negative, then
+    0: recomputing 2,000 tokens predicted free, and chosen over a 20 ms read."""
+    model = CostModel("auto")
+    model.record_prefill(128, 0.060)  # a fresh prefill (the warm-up's)
+    for tokens, seconds, history in ((40, 0.80, 4000), (45, 0.075, 2000), (52, 0.060, 1000),
+                                     (60, 0.050, 500), (33, 0.85, 4000), (70, 0.055, 500)):
+        model.record_prefill(tokens, seconds, context=history)
+    model.record_prefill(64, 0.040, context=64)  # a step over as many cached tokens as its own still counts
+    model.record_restore(46 * 10**6, 0.020)
+    choice = model.choose(2000, 46 * 10**6)
+    assert choice.decision == "restore" and choice.recompute_s > 0.5, choice.reason
+    assert len(model.prefill._samples) == 2
+
+
 def test_policies() -> None:
     assert resolve_policy("recompute") == "recompute"
     with pytest.raises(ConfigError):
