@@ -154,6 +154,16 @@ _STORES: dict[tuple[str, str], Store] = {}
 _STORES_LOCK = threading.Lock()
 
 
+def saved_from(stored: StoredKV) -> SavedKV:
+    """What a session whose chunk list is ``stored`` has on disk, as the basis
+    of its next save (:class:`SavedKV`); empty if its format tag is unreadable."""
+    try:
+        shift = parse_kv_format(stored.chunks[0].kv_format)[1] if stored.chunks else None
+    except ValueError:
+        return SavedKV()
+    return SavedKV(list(stored.token_ids), list(stored.chunks), shift)
+
+
 def default_store() -> Store:
     """The process-wide :class:`~chatkv.storage.Store` for the current
     ``CHATKV_HOME``/``CHATKV_DB_URL`` (opened on first use, then shared, so
@@ -592,7 +602,7 @@ class KVPersister:
                        else f"stored KV chunk {failure.chunk_hash[:12]} failed verification and was quarantined")
         info.cached_tokens = kv.seq.num_computed
         if unread and failure is None and len(chunks) == index:  # all read up to the room: the rest stays valid
-            return SavedKV(stored.token_ids, list(stored.chunks), shift)
+            return saved_from(stored)
         kept = sum(c.n_tokens for c in chunks)
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 

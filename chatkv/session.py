@@ -37,7 +37,7 @@ from chatkv.block_pool import Alignment
 from chatkv.sequence import Shift
 from chatkv.config import SamplingParams
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
-from chatkv.persistence import KVPersister, SavedKV, Snapshot
+from chatkv.persistence import KVPersister, SavedKV, Snapshot, saved_from
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import LeaseLostError, NewMessage, StorageError
 from chatkv.tiers import Tier, TieredKV
@@ -768,7 +768,9 @@ class SessionManager:
         except Exception as exc:  # a storage failure costs a re-prefill, never the session
             info.warning = f"could not load the KV of session {session.session_id!r}: {exc}; re-prefilling"
             log.warning("%s", info.warning)
-            session.saved = SavedKV()
+            # What the open read is still what is on disk: a close before the
+            # turn must not cut it to the part the device holds.
+            session.saved = saved_from(stored) if stored is not None else SavedKV()
         finally:
             info.cached_tokens = session.kv.seq.num_computed
             if info.cached_tokens:

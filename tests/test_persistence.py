@@ -198,6 +198,39 @@ def test_a_read_that_fails_midway_keeps_only_the_chunks_before_it(monkeypatch):
     again.close()
 
 
+def test_a_read_error_then_a_close_before_the_turn_keeps_the_stored_kv(monkeypatch):
+    # The same I/O error, then the session closed with no turn: the device
+    # holds the first chunk only, and the close must not cut the KV on disk
+    # (still whole and valid: the error was the read's, not the file's) to it.
+    from chatkv.storage import chunkfile
+
+    chat = open_chat(fresh_engine(), "eio2", system="sys " * 10, max_new_tokens=10, stop=[])
+    chat.send("first message here")
+    chat.send("second message here")
+    chat.close()
+    store = default_store()
+    stored, chunks = store.get_session("eio2").n_cached, store.kv_chunks("eio2")
+    victim = chunks[1].hash
+    real = chunkfile.ChunkReader.read_into
+
+    def read_into(self, buffers, *, verify=True):
+        if self.hash == victim:
+            raise OSError(5, "Input/output error")
+        return real(self, buffers, verify=verify)
+
+    monkeypatch.setattr(chunkfile.ChunkReader, "read_into", read_into)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        again = open_chat(fresh_engine(), "eio2", max_new_tokens=10, stop=[])
+        assert again.wait_restored().cached_tokens == CHUNK
+        again.close()
+    monkeypatch.setattr(chunkfile.ChunkReader, "read_into", real)  # (undo() would drop the test's home too)
+    assert store.get_session("eio2").n_cached == stored and store.kv_chunks("eio2") == chunks
+    later = open_chat(fresh_engine(), "eio2", max_new_tokens=10, stop=[])
+    assert later.wait_restored().cached_tokens == stored
+    later.close()
+
+
 def test_a_second_process_gets_a_clear_lock_error():
     engine = fresh_engine()
     chat = open_chat(engine, "locked")
