@@ -162,30 +162,41 @@ def test_corrupt_or_missing_chunk_costs_a_reprefill_not_the_conversation(damage,
     again.close()
 
 
-def test_a_read_that_fails_midway_keeps_only_the_chunks_before_it(monkeypatch):
-    # An I/O error (not a checksum mismatch) from one chunk's read: the chunks
-    # read after it, even if their reads succeeded, must not be committed.
-    from chatkv.storage import chunkfile
-
-    engine = fresh_engine()
-    chat = open_chat(engine, "eio", system="sys " * 10, max_new_tokens=10, stop=[])
+def _two_turns(sid: str) -> list:
+    """Session ``sid`` saved after two turns; returns its chunks (at least 4)."""
+    chat = open_chat(fresh_engine(), sid, system="sys " * 10, max_new_tokens=10, stop=[])
     chat.send("first message here")
     chat.send("second message here")
     chat.close()
-    ref = open_chat(fresh_engine(), "eio-ref", persist=False, system="sys " * 10, max_new_tokens=10, stop=[])
-    for text in ["first message here", "second message here", "third"]:
-        ref.send(text)
-    chunks = default_store().kv_chunks("eio")
+    chunks = default_store().kv_chunks(sid)
     assert len(chunks) >= 4
-    victim = chunks[1].hash
+    return chunks
+
+
+def _fail_reads_of(monkeypatch, chunk_hash: str):
+    """Make reading chunk ``chunk_hash`` raise an I/O error (not a checksum
+    mismatch); returns the real ``ChunkReader.read_into``, to put back."""
+    from chatkv.storage import chunkfile
+
     real = chunkfile.ChunkReader.read_into
 
     def read_into(self, buffers, *, verify=True):
-        if self.hash == victim:
+        if self.hash == chunk_hash:
             raise OSError(5, "Input/output error")
         return real(self, buffers, verify=verify)
 
     monkeypatch.setattr(chunkfile.ChunkReader, "read_into", read_into)
+    return real
+
+
+def test_a_read_that_fails_midway_keeps_only_the_chunks_before_it(monkeypatch):
+    # An I/O error from one chunk's read: the chunks read after it, even if
+    # their reads succeeded, must not be committed.
+    chunks = _two_turns("eio")
+    ref = open_chat(fresh_engine(), "eio-ref", persist=False, system="sys " * 10, max_new_tokens=10, stop=[])
+    for text in ["first message here", "second message here", "third"]:
+        ref.send(text)
+    _fail_reads_of(monkeypatch, chunks[1].hash)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         again = open_chat(fresh_engine(), "eio", max_new_tokens=10, stop=[])
@@ -204,21 +215,10 @@ def test_a_read_error_then_a_close_before_the_turn_keeps_the_stored_kv(monkeypat
     # (still whole and valid: the error was the read's, not the file's) to it.
     from chatkv.storage import chunkfile
 
-    chat = open_chat(fresh_engine(), "eio2", system="sys " * 10, max_new_tokens=10, stop=[])
-    chat.send("first message here")
-    chat.send("second message here")
-    chat.close()
+    chunks = _two_turns("eio2")
     store = default_store()
-    stored, chunks = store.get_session("eio2").n_cached, store.kv_chunks("eio2")
-    victim = chunks[1].hash
-    real = chunkfile.ChunkReader.read_into
-
-    def read_into(self, buffers, *, verify=True):
-        if self.hash == victim:
-            raise OSError(5, "Input/output error")
-        return real(self, buffers, verify=verify)
-
-    monkeypatch.setattr(chunkfile.ChunkReader, "read_into", read_into)
+    stored = store.get_session("eio2").n_cached
+    real = _fail_reads_of(monkeypatch, chunks[1].hash)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         again = open_chat(fresh_engine(), "eio2", max_new_tokens=10, stop=[])
