@@ -17,6 +17,7 @@ quantization; ``<part>`` is ``data``, ``scale`` or ``zero``), and ``tail``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
@@ -121,19 +122,26 @@ def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
         return
     if scheme not in ROWWISE_SCHEMES:  # "none": a packed format chatkv never writes, but one it reads
         dense = unpack(tensors, scheme, block_size, shape, dtype).to(device)
-        for first, out in targets:
-            upto = min(first + out.shape[2], full)
-            if first < upto:
-                out[:, :, : upto - first].copy_(dense[:, :, first:upto])
+        for first, upto, out in _quantized_spans(targets, full):
+            out[:, :, : upto - first].copy_(dense[:, :, first:upto])
         return
     rows = [(q.data.reshape(L, full, h, d).to(device),
              None if q.scale is None else q.scale.reshape(L, full, h).to(device)) for q in parts]
+    for first, upto, out in _quantized_spans(targets, full):
+        for i, (data, scale) in enumerate(rows):
+            dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
+                                 out[:, i, : upto - first])
+
+
+def _quantized_spans(targets: list[tuple[int, torch.Tensor]], full: int
+                     ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(first, upto, out)`` for each target of :func:`unpack_into` that holds
+    quantized tokens: its tokens ``first .. upto - 1`` are below ``full`` (the
+    rest of ``out``, past them, is the exact tail's)."""
     for first, out in targets:
         upto = min(first + out.shape[2], full)
-        if first < upto:  # the quantized rows
-            for i, (data, scale) in enumerate(rows):
-                dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
-                                     out[:, i, : upto - first])
+        if first < upto:
+            yield first, upto, out
 
 
 def _int4_into(parts: list[QuantizedKV], layers: int, full: int, block_size: int,
@@ -152,10 +160,8 @@ def _int4_into(parts: list[QuantizedKV], layers: int, full: int, block_size: int
             tile = wide[: (l1 - l0) * per_layer].view((l1 - l0) * nb, *q.shape[1:])
             dequantize_int4_blocks_into(q, l0 * nb, l1 * nb, tile)
             rows = tile.view(l1 - l0, full, *q.shape[2:])
-            for first, out in targets:
-                upto = min(first + out.shape[2], full)
-                if first < upto:
-                    out[l0:l1, i, : upto - first].copy_(rows[:, first:upto])
+            for first, upto, out in _quantized_spans(targets, full):
+                out[l0:l1, i, : upto - first].copy_(rows[:, first:upto])
 
 
 def _parts(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
