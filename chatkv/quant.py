@@ -348,9 +348,10 @@ def dequantize_int4_blocks_into(q: QuantizedKV, lo: int, hi: int, out: Tensor) -
     """Write blocks ``lo .. hi - 1`` of the int4 ``q`` into ``out`` (float32,
     contiguous, ``[hi - lo, block_size, kv_heads, head_dim]``): the same
     values, bit for bit, as :func:`dequantize` gives for them in float32
-    (codes times scale, then plus zero, each rounded in float32). A few
-    blocks at a time stay in a core's cache, where the whole chunk's float32
-    copy would not."""
+    (codes times scale, then plus zero, each rounded in float32). Taking a
+    range of blocks at a time bounds the float32 scratch a caller needs
+    (:data:`ROW_TILE_ELEMS`), where the whole chunk would need a float32
+    copy of its own."""
     assert q.scheme == "int4" and q.scale is not None and q.zero is not None, q.scheme
     n, (_, bs, h, d) = hi - lo, q.shape
     assert out.dtype == torch.float32 and out.is_contiguous() and tuple(out.shape) == (n, bs, h, d), out.shape
