@@ -726,11 +726,14 @@ class SessionManager:
         def waiting(holder: str) -> None:
             log.info("session %r is in use by %s; waiting up to %.1f s for its lease", sid, holder, lease_timeout_s)
 
-        # The lease first: what is read below is what the previous holder committed.
-        session.lease = store.acquire_lease(sid, timeout_s=lease_timeout_s, on_wait=waiting)
+        # The lease, and in its transaction what the previous holder committed:
+        # the session's row, its messages and its chunk list (read here, where the
+        # restore would share the GIL with the turn).
+        opened = store.open_leased(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system,
+                                   timeout_s=lease_timeout_s, on_wait=waiting)
+        session.lease = opened.lease
         try:
-            info = store.open_session(sid, fingerprint=engine.loaded.fingerprint, system_prompt=system)
-            records = store.messages(sid)
+            info, records, stored = opened.info, opened.messages, opened.kv
             session.messages = [Message(r.role, r.content, r.partial, r.outside_window) for r in records]
             session._stored = [dataclasses.replace(m) for m in session.messages]
             n_cached = info.n_cached
@@ -740,12 +743,6 @@ class SessionManager:
             kv.disk_bytes = info.kv_bytes
             kv.keep_resident, kv.kv_ttl_s = info.pinned, info.kv_ttl_s  # retention stored with the session
             kv.pins = 1 if n_cached else 0
-            stored = None  # the chunk list, read here where the restore would share the GIL with the turn
-            if n_cached and info.fingerprint == engine.loaded.fingerprint:
-                try:
-                    stored = store.open_kv(sid, fingerprint=engine.loaded.fingerprint)
-                except Exception as exc:  # noqa: BLE001 - the restore reads it again and handles what fails
-                    log.debug("session %r: reading its chunk list at open failed (%s); the restore will", sid, exc)
             engine.call(lambda: engine.tiers.register(kv), "register")
         except BaseException:
             store.release_lease(sid)

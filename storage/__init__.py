@@ -41,6 +41,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "GcReport": ("records", "GcReport"),
     "InvalidSessionIdError": ("errors", "InvalidSessionIdError"),
     "Lease": ("leases", "Lease"),
+    "LeasedSession": ("store", "LeasedSession"),
     "LeaseLostError": ("errors", "LeaseLostError"),
     "LoadedChunk": ("records", "LoadedChunk"),
     "MAX_SESSION_ID_LEN": ("ids", "MAX_SESSION_ID_LEN"),
@@ -78,7 +79,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = [
     "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkSource", "ChunkUsage",
     "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
-    "InvalidSessionIdError", "Lease", "LeaseLostError", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
+    "InvalidSessionIdError", "Lease", "LeaseLostError", "LeasedSession", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
     "SessionNotFoundError", "StorageError", "StorageWriteError", "Store", "StoredKV", "chunk_hash", "collect_garbage",
@@ -128,7 +129,7 @@ if TYPE_CHECKING:
         SessionInfo,
         SessionKV,
     )
-    from .store import ChunkSource, Store, StoredKV
+    from .store import ChunkSource, LeasedSession, Store, StoredKV
 
 
 def __getattr__(name: str) -> Any:

@@ -520,6 +520,7 @@ def acquire(
     on_wait: Callable[[str], None] | None = None,
     on_renew: Callable[[Lease], None] | None = None,
     on_lost: Callable[[LeaseLostError], None] | None = None,
+    within: Callable[[Session], None] | None = None,
 ) -> Lease:
     """Acquire the lease on ``session_id`` for ``owner``, waiting up to ``timeout_s``.
 
@@ -532,6 +533,12 @@ def acquire(
         on_wait: called once, with the blocking owner's id, when the first
             attempt finds the lease held and the call starts waiting.
         on_renew, on_lost: passed to the :class:`Lease`.
+        within: called with the transaction that took the lease, before it
+            commits, for work that must see the index as the lease found it
+            (and costs no transaction of its own). If it raises, nothing of
+            the attempt is committed, the lease is not taken, and the error
+            propagates (an :class:`~sqlalchemy.exc.IntegrityError`, a racing
+            insert, makes the attempt start again, ``within`` included).
 
     Raises:
         SessionLockedError: still held by another live owner after ``timeout_s``.
@@ -546,6 +553,8 @@ def acquire(
         try:
             with session_factory() as s, s.begin():
                 gen, blocker = try_acquire(s, session_id, owner, ttl_s, now)
+                if gen is not None and within is not None:
+                    within(s)
         except IntegrityError:  # someone inserted first; look again
             pass
         if gen is not None:

@@ -378,3 +378,38 @@ def test_close_releases_leases(home: Path) -> None:
     a.close()
     with Store(home) as b:
         b.acquire_lease("s")
+
+
+def test_open_leased_reads_what_the_lease_found_in_its_transaction(home: Path) -> None:
+    with Store(home) as a, Store(home) as b:
+        new = a.open_leased("s", fingerprint=FP, system_prompt="Be brief.")
+        assert new.info.n_cached == 0 and new.info.system_prompt == "Be brief." and new.messages == []
+        assert new.kv is None and new.lease.generation == 1
+        with pytest.raises(SessionLockedError):
+            b.open_leased("s", fingerprint=FP)
+        a.append_message("s", "user", "hi")
+        ids = list(range(40))
+        a.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
+        a.release_lease("s")
+        back = b.open_leased("s", fingerprint=FP)
+        assert back.lease.generation == 2 and [m.content for m in back.messages] == ["hi"]
+        assert back.info.n_cached == 40 and back.kv is not None and back.kv.token_ids == ids
+        assert [c.hash for c in back.kv.chunks] == [c.hash for c in a.kv_chunks("s")]
+        with pytest.raises(SessionLockedError):  # b holds it now, through the Store
+            a.append_message("s", "user", "not mine")
+        b.release_lease("s")
+        other = a.open_leased("s", fingerprint="another-model")
+        assert other.info.n_cached == 40 and other.kv is None  # another model's KV is not offered
+
+
+def test_a_failure_inside_the_leasing_transaction_takes_nothing(home: Path) -> None:
+    with Store(home) as a, Store(home) as b:
+        def fail(s: Session) -> None:
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            a.acquire_lease("s", within=fail)
+        assert a.lease_holder("s") is None and b.lease_holder("s") is None
+        assert not a.has_session("s")
+        b.open_leased("s", fingerprint=FP)  # free for anyone
+        assert a.lease_holder("s") == b.owner
