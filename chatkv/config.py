@@ -134,6 +134,13 @@ class EngineConfig:
             symbolic (:class:`chatkv.compile.PrefillGraph`; about 1.13x faster
             prefill of a chat turn's new message on this project's CPU). It is
             built after the decode graphs, in the same background thread.
+        adapt_threads: on the CPU, fit the number of threads the loop runs
+            the model on to the cores other processes leave free
+            (:class:`chatkv.threads.ThreadGovernor`: a core another process
+            keeps busy would otherwise slow every step several times over).
+            None: ``$CHATKV_ADAPT_THREADS``, on unless it is ``0``. The loop
+            sets the count with ``torch.set_num_threads``, which is also what
+            threads started later in the process begin with.
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
             back or lets the next turn recompute it, whichever the engine's
@@ -162,6 +169,7 @@ class EngineConfig:
     compile: str | bool | None = None
     compile_batch_sizes: tuple[int, ...] = (1,)
     compile_prefill: bool = True
+    adapt_threads: bool | None = None
     restore_policy: str | None = None
 
     def __post_init__(self) -> None:

@@ -73,6 +73,7 @@ from chatkv.runner import StepInput
 from chatkv.sampling import Sampler
 from chatkv.sequence import Sequence
 from chatkv.stats import TurnStats
+from chatkv.threads import ThreadGovernor
 
 __all__ = ["Job", "Pending", "Request", "Scheduler", "SchedulerStats", "next_nonblocking"]
 
@@ -163,6 +164,8 @@ class SchedulerStats:
     jobs: int = 0
     blocked_turns: int = 0  # turns that had to wait for blocks at least once
     reclaims: int = 0  # times idle sessions were demoted to make room for a step
+    threads: int = 0  # threads the loop runs the model on, where it is governed (0: not governed)
+    thread_changes: int = 0  # times the loop changed that count for other processes' load
 
 
 @dataclass
@@ -210,6 +213,12 @@ class Scheduler:
         # Owned by the loop thread:
         self._waiting: list[Request] = []  # sorted by arrival
         self._running: list[Request] = []  # sorted by arrival
+        #: Fits the loop's thread count to the CPUs other processes leave free (CPU engines).
+        self.threads = ThreadGovernor.create(torch.get_num_threads(), engine.config.adapt_threads) \
+            if engine.pool.kv.device.type == "cpu" else None
+        if self.threads is not None:
+            self.stats.threads = self.threads.current
+            self.threads.start(owner=self)
         engine.pool.bind_owner(self.on_loop)
 
     def on_loop(self) -> bool:
@@ -222,6 +231,8 @@ class Scheduler:
         ``timeout`` seconds for its thread to end (at once, where it would
         otherwise idle for :data:`IDLE_EXIT_S`). Returns whether it ended.
         Idempotent; called from the loop itself, it does not wait."""
+        if self.threads is not None:
+            self.threads.close()
         with self._mu:
             self._closed = True
             thread = self._thread
@@ -399,6 +410,7 @@ class Scheduler:
                     bisect.insort(self._waiting, req, key=lambda r: r.arrival)
                 self._incoming.clear()
                 jobs, self._jobs = self._jobs, []
+            self._govern_threads()
             for job in jobs:
                 self.stats.jobs += 1
                 job.run()
@@ -442,6 +454,20 @@ class Scheduler:
         stats.max_batch_tokens = max(stats.max_batch_tokens, tokens)
         self._sample(plan, logits)
         return True
+
+    def _govern_threads(self) -> None:
+        """On the loop, before its jobs and its step: run on the thread count
+        the governor advises now (:class:`ThreadGovernor`), if it is not the
+        loop thread's count already (a new loop thread starts with the count
+        last set)."""
+        if self.threads is None:
+            return
+        n = self.threads.current
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            if n != self.stats.threads:
+                self.stats.thread_changes += 1
+            self.stats.threads = n
 
     # -- planning ------------------------------------------------------------------------
 

@@ -19,6 +19,10 @@ os.environ.setdefault("CHATKV_COMPILE", "off")
 # Hundreds of engines, each freezing the heap after its warm-up with a full collection
 # first (chatkv.heap): tests/test_heap.py tests it in a fresh interpreter.
 os.environ.setdefault("CHATKV_GC_FREEZE", "0")
+# The loop's thread count stays fixed: it would follow whatever else runs on the
+# machine meanwhile, and one thread's float sums differ from two's in the last
+# bits (tests/test_threads.py covers the governor).
+os.environ.setdefault("CHATKV_ADAPT_THREADS", "0")
 # Sessions on disk are always read back, not recomputed, unless a test asks
 # (the "auto" choice depends on measured timings; tests/test_costs.py covers it).
 os.environ.setdefault("CHATKV_RESTORE_POLICY", "restore")

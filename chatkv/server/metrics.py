@@ -118,6 +118,11 @@ class _EngineCollector(Collector):
         c = CounterMetricFamily("chatkv:num_preemptions", "Turns preempted under memory pressure.", labels=labels)
         c.add_metric(name, engine.scheduler.stats.preemptions)
         yield c
+        if engine.scheduler.threads is not None:
+            g = GaugeMetricFamily("chatkv:loop_threads", "Threads the engine runs the model on, fitted to the CPUs "
+                                  "other processes leave free.", labels=labels)
+            g.add_metric(name, engine.scheduler.stats.threads)
+            yield g
         g = GaugeMetricFamily("chatkv:quarantined_chunks", "Chunk files that failed verification.", labels=labels)
         n = 0
         if self.quarantine_dir is not None and self.quarantine_dir.is_dir():
