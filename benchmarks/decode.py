@@ -12,8 +12,14 @@ then decodes ``--new-tokens`` greedy tokens; the figure is tokens per second
 after the first token, the median over repeats. transformers runs the same
 weights in the same dtype with a ``DynamicCache``; llama.cpp runs the GGUF
 chatkv's default model was converted from (4-bit weights), with ``--threads``.
-Prints a markdown table with chatkv's ratio to each peer, and writes JSON with
-``--out``.
+Prints a markdown table with chatkv's ratio to each peer, and chatkv's time
+to the first token of that decoding turn (a short message over the cached
+history), and writes JSON with ``--out``.
+
+``--busy N`` runs N busy-looping processes meanwhile, as a neighbour using
+cores: compare ``--threads 1`` and ``--threads 2`` with
+``CHATKV_ADAPT_THREADS=0`` (the thread count fixed) and without it (chatkv's
+loop fits its thread count to the free cores, :class:`chatkv.threads.ThreadGovernor`).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ def _worker(system: str, contexts: list[int], new_tokens: int, threads: int, dty
     from chatkv.models import default_gguf_path, encode_chat, load_model
 
     dt = resolve_dtype(dtype)
-    out: dict[str, Any] = {"system": system, "dtype": str(dt).replace("torch.", ""), "rates": {}, "contexts": {}}
+    out: dict[str, Any] = {"system": system, "dtype": str(dt).replace("torch.", ""), "rates": {}, "contexts": {},
+                           "ttft": {}}
     if system == "llama.cpp":
         from benchmarks.peers import LlamaCpp
 
@@ -77,6 +84,7 @@ def _worker(system: str, contexts: list[int], new_tokens: int, threads: int, dty
             chat.send("And then?")
             st = chat.last_stats
             rate = (len(st.token_ids) - 1) / st.decode_s
+            out["ttft"][n] = st.ttft_s  # a returning turn: its short message over the cached history
             out["contexts"][n] = st.prompt_tokens
             chat.close()
         else:
@@ -173,6 +181,11 @@ def _report(args: argparse.Namespace, contexts: list[int], runs: dict[str, list[
             ratio = f" ({med['chatkv'][n] / v:.2f}x)" if "chatkv" in med and s != "chatkv" else ""
             cells.append(f"{v:.1f}{ratio}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    if runs.get("chatkv") and runs["chatkv"][0].get("ttft"):
+        ttft = [statistics.median(r["ttft"][str(n)] if str(n) in r["ttft"] else r["ttft"][n] for r in runs["chatkv"])
+                for n in contexts]
+        lines += ["", "chatkv's time to first token of that returning turn (its short message over the cached "
+                      "history): " + ", ".join(f"{t * 1e3:.1f} ms at {n} tok" for n, t in zip(contexts, ttft)) + "."]
     if "chatkv" in med and "transformers-eager" in med:
         worst = min(med["chatkv"][n] / med["transformers-eager"][n] for n in contexts)
         lines += ["", f"Goal: decode at least 1.5x transformers' eager decode in the same dtype: "
