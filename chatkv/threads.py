@@ -84,12 +84,12 @@ TAKEN_SHARE = 0.4
 
 def threads_for(base: int, cpus: int, others: float) -> int:
     """The operator thread count for the loop: ``base`` (its count on an idle
-    machine) or fewer, one less for each of its ``cpus`` that other processes
-    take (``others``, their use of those CPUs in CPUs; each whole CPU they
-    use, and a last one they use :data:`TAKEN_SHARE` of, counts as taken),
-    and never fewer than 1."""
+    machine) or fewer, one less for each CPU other processes take beyond the
+    ``cpus - base`` the loop leaves unused (``others`` is their use of the
+    ``cpus`` in CPUs; each whole CPU they use, and a last one they use
+    :data:`TAKEN_SHARE` of, counts as taken), and never fewer than 1."""
     taken = math.floor(max(0.0, others) + 1.0 - TAKEN_SHARE + 1e-9)  # (1e-9: 0.4 + 0.6 is 0.999...)
-    return max(1, min(base, cpus - taken))
+    return max(1, base - max(0, taken - max(0, cpus - base)))
 
 
 class ThreadGovernor:

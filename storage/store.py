@@ -483,16 +483,16 @@ class Store(StoreUpkeep):
         creating it if missing), read its messages (as :meth:`messages`) and,
         when it has KV made with ``fingerprint``, its chunk list (as
         :meth:`open_kv`): all that opening a session for new turns reads, as
-        the lease found it, in one index transaction instead of four (about
-        half the time, SQLite or PostgreSQL). :meth:`release_lease` gives the
-        lease back.
+        the lease found it, in one index transaction instead of four (on
+        SQLite here, 4.4 -> 3.2 ms back to back). :meth:`release_lease` gives
+        the lease back.
 
         Raises:
             InvalidSessionIdError; SessionLockedError: another live owner holds
             it past ``timeout_s``; StorageWriteError: the index failed.
         """
         validate_session_id(session_id)
-        read: list[LeasedSession] = []
+        read: list[tuple[SessionInfo, list[MessageRecord], StoredKV | None]] = []
 
         def reads(s: Session) -> None:
             read.clear()  # an attempt that raced another taker starts again
@@ -500,10 +500,10 @@ class Store(StoreUpkeep):
             kv = None
             if info.n_cached and fingerprint is not None and info.fingerprint == fingerprint:
                 kv = self._stored_kv(s, session_id, fingerprint)
-            read.append(LeasedSession(None, info, self._message_records(s, session_id), kv))  # type: ignore[arg-type]
+            read.append((info, self._message_records(s, session_id), kv))
 
         lease = self.acquire_lease(session_id, timeout_s=timeout_s, on_wait=on_wait, within=reads)
-        return replace(read[0], lease=lease)
+        return LeasedSession(lease, *read[0])
 
     def get_session(self, session_id: str) -> SessionInfo:
         """Facts about one session, read in one query. Raises :class:`SessionNotFoundError`."""

@@ -19,6 +19,7 @@ from chatkv.threads import ADAPT_ENV, TAKEN_SHARE, ThreadGovernor, threads_for
 @pytest.mark.parametrize("base, cpus, others, want", [
     (2, 2, 0.0, 2), (2, 2, TAKEN_SHARE - 0.01, 2), (2, 2, TAKEN_SHARE, 1), (2, 2, 1.0, 1), (2, 2, 2.0, 1),
     (4, 4, 1.0 + TAKEN_SHARE, 2), (16, 32, 1.0, 16), (16, 32, 20.0, 12), (1, 2, 0.0, 1),
+    (4, 2, 0.0, 4), (4, 2, 1.0, 3),  # more threads than CPUs: as many as asked for while they are free
 ])
 def test_a_cpu_counts_as_taken_from_its_share(base: int, cpus: int, others: float, want: int) -> None:
     assert threads_for(base, cpus, others) == want
