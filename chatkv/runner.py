@@ -195,8 +195,8 @@ class ModelRunner:
         """
         self.forward_calls += 1
         new = sum(len(item.tokens) for item in batch)
-        context = sum(item.seq.num_computed for item in batch)  # cached before this step
         timed = self.costs is not None and new >= MIN_PREFILL_TOKENS
+        context = sum(item.seq.num_computed for item in batch) if timed else 0  # cached before this step
         started = time.perf_counter() if timed else 0.0
         meta, input_ids, position_ids = self.build_metadata(batch)
         graphs = self.decode_graphs
