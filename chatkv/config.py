@@ -141,6 +141,13 @@ class EngineConfig:
             None: ``$CHATKV_ADAPT_THREADS``, on unless it is ``0``. The loop
             sets the count with ``torch.set_num_threads``, which is also what
             threads started later in the process begin with.
+        cpu_attention: how bfloat16 prefills attend on the CPU: ``"auto"``
+            (None: ``$CHATKV_CPU_ATTENTION``, else auto) by two bfloat16
+            matrix products, as transformers' eager attention computes, where
+            that is the faster (a chat turn's new message over 1k to 4k
+            cached tokens: 0.6x to 0.8x the step's time on this project's
+            CPU); ``"sdpa"`` through SDPA's flash kernel, whose scores stay
+            in float32 (:mod:`chatkv.attention.torch_backend`).
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
             back or lets the next turn recompute it, whichever the engine's
@@ -170,9 +177,14 @@ class EngineConfig:
     compile_batch_sizes: tuple[int, ...] = (1,)
     compile_prefill: bool = True
     adapt_threads: bool | None = None
+    cpu_attention: str | None = None
     restore_policy: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_attention is not None:
+            from chatkv.attention.torch_backend import resolve_cpu_attention
+
+            resolve_cpu_attention(self.cpu_attention)
         if self.restore_policy is not None:
             from chatkv.costs import resolve_policy
 

@@ -24,6 +24,7 @@ import torch
 
 from chatkv import heap
 from chatkv.attention import get_backend
+from chatkv.attention.torch_backend import resolve_cpu_attention
 from chatkv.block_pool import BlockPool
 from chatkv.block_pool import PoolStats
 from chatkv.compile import DecodeGraphs, PrefillGraph, parse_compile, should_compile
@@ -135,7 +136,8 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, num_layers, kv_heads, head_dim,
                               dtype, device, loaded.fingerprint)
-        self.backend = get_backend(self.config.attention_backend, device)
+        self.backend = get_backend(self.config.attention_backend, device,
+                                   resolve_cpu_attention(self.config.cpu_attention))
         #: Measured prefill and disk-restore costs: restore or recompute (:mod:`chatkv.costs`).
         self.costs = CostModel(resolve_policy(self.config.restore_policy), self.config.max_prefill_tokens)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend, self.costs, prepack=self.config.prepack)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from chatkv.attention import TorchBackend
-from chatkv.attention.torch_backend import paged_attention_reference
+from chatkv.attention import torch_backend
+from chatkv.attention.torch_backend import paged_attention_reference, product_attention
 from chatkv.block_pool import BlockPool
 from chatkv.runner import ModelRunner, StepInput
 from chatkv.sequence import Sequence
@@ -174,3 +175,84 @@ def test_consecutive_blocks_read_as_a_view_give_the_same_attention():
     gathered = paged_attention_reference(q, k_cache, v_cache, table, [18], [3], 8 ** -0.5)
     viewed = paged_attention_reference(q, k_cache, v_cache, table, [18], [3], 8 ** -0.5, contiguous_start=[5])
     torch.testing.assert_close(viewed, gathered, atol=0, rtol=0)
+
+
+def _eager(q, k, v, scale, window):
+    """transformers' eager attention (the llama module's) for one sequence whose
+    queries are the last positions: q [Hq, T, D], k/v [Hkv, L, D] -> [Hq, T, D]."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    hq, t, _ = q.shape
+    hkv, n, _ = k.shape
+    qpos = torch.arange(n - t, n)[:, None]
+    kpos = torch.arange(n)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    mask = torch.zeros(t, n, dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = hq // hkv, False
+    out, _ = eager_attention_forward(module, q[None], k[None], v[None], mask[None, None], scaling=scale)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])  # a power-of-two scale, and one that is not
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("max_scores", [1 << 23, 3000])  # one product, and rows cut into chunks
+def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, window, max_scores, monkeypatch):
+    monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    torch.manual_seed(4)
+    kv_heads, group, t, n = 3, 3, 21, 300
+    q = torch.randn(kv_heads * group, t, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = product_attention(q.view(kv_heads, group, t, head_dim), k, v, scale, window)
+    got = got.reshape(kv_heads * group, t, head_dim)
+    want = _eager(q, k, v, scale, window)
+    if window is None and max_scores > kv_heads * group * t * n:
+        assert torch.equal(got, want)  # the same products over the same keys
+    else:  # keys no row of a chunk sees are skipped: the same terms summed in a new order
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("max_scores", [1 << 23, 2000])
+def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_scores, monkeypatch):
+    """One prefill of 70 tokens, or prefills of 40, 9 and 3 then 18 decode steps,
+    over the same keys and values: every row's output is the same bit for bit
+    (so a resumed session's KV is the KV a fresh re-prefill computes)."""
+    monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    torch.manual_seed(6)
+    hq, hkv, d, bs, n = 6, 2, 64, 16, 70
+    k_cache = torch.randn(8, bs, hkv, d, dtype=torch.bfloat16)
+    v_cache = torch.randn(8, bs, hkv, d, dtype=torch.bfloat16)
+    table = torch.tensor([[3, 1, 6, 0, 2]], dtype=torch.int32)  # scattered blocks
+    q = torch.randn(n, hq, d, dtype=torch.bfloat16)
+    whole = paged_attention_reference(q, k_cache, v_cache, table, [n], [n], d ** -0.5, window, products=True)
+    steps = [(0, 40), (40, 49), (49, 52)] + [(i, i + 1) for i in range(52, n)]
+    parts = [paged_attention_reference(q[lo:hi], k_cache, v_cache, table, [hi], [hi - lo], d ** -0.5, window,
+                                       products=True) for lo, hi in steps]
+    assert torch.equal(torch.cat(parts), whole)
+    sdpa = paged_attention_reference(q, k_cache, v_cache, table, [n], [n], d ** -0.5, window)
+    torch.testing.assert_close(whole, sdpa, atol=2e-2, rtol=2e-2)  # bf16 scores against float32 ones
+    assert torch_backend.products_apply(q) and not torch_backend.products_apply(q.float())
+
+
+def test_engine_setting_and_environment_choose_the_cpu_attention(monkeypatch):
+    from chatkv.attention import get_backend
+    from chatkv.config import EngineConfig
+    from chatkv.errors import ConfigError
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(torch_backend.CPU_ATTENTION_ENV, raising=False)
+    assert torch_backend.resolve_cpu_attention(None) == "auto"
+    assert get_backend("auto", cpu, "auto").products and not get_backend("torch", cpu, "sdpa").products
+    monkeypatch.setenv(torch_backend.CPU_ATTENTION_ENV, "SDPA")
+    assert torch_backend.resolve_cpu_attention(None) == "sdpa"
+    assert torch_backend.resolve_cpu_attention("auto") == "auto"  # the setting wins over the variable
+    monkeypatch.setenv(torch_backend.CPU_ATTENTION_ENV, "fast")
+    with pytest.raises(ConfigError, match="CHATKV_CPU_ATTENTION"):
+        torch_backend.resolve_cpu_attention(None)
+    with pytest.raises(ConfigError, match="cpu_attention"):
+        EngineConfig(cpu_attention="flash")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from chatkv import Chat, EngineConfig
+from chatkv.attention import torch_backend
 from chatkv.engine import Engine, get_engine
 from chatkv.errors import ConfigError
 from chatkv.hardware import DTYPE_ENV, cpu_has_fast_bf16, default_dtype, parse_dtype, resolve_dtype
@@ -85,8 +86,14 @@ def test_engines_load_specs_in_the_configured_dtype_and_refuse_a_mismatch() -> N
         Engine(fp.loaded, EngineConfig(dtype="bfloat16"))
 
 
-def test_bf16_replies_match_stock_bf16_and_survive_a_restart(tmp_path) -> None:
-    engine = Engine(load_model("tiny:llama", dtype=torch.bfloat16), EngineConfig(num_blocks=256, block_size=4))
+@pytest.mark.parametrize("cpu_attention", ["auto", "sdpa"])
+def test_bf16_replies_match_stock_bf16_and_survive_a_restart(tmp_path, cpu_attention, monkeypatch) -> None:
+    # "auto" attends every step by bf16 products, "sdpa" none.
+    products = []
+    attend = torch_backend.product_attention
+    monkeypatch.setattr(torch_backend, "product_attention", lambda *a: products.append(1) or attend(*a))
+    config = EngineConfig(num_blocks=256, block_size=4, cpu_attention=cpu_attention)
+    engine = Engine(load_model("tiny:llama", dtype=torch.bfloat16), config)
     reference = stock_copy(engine.loaded.model)
     tok = engine.tokenizer
     chat = Chat("bf", system="You are terse.", engine=engine, max_new_tokens=12)
@@ -105,13 +112,14 @@ def test_bf16_replies_match_stock_bf16_and_survive_a_restart(tmp_path) -> None:
     twin.close()
     chat.close()  # saved to disk in bf16
 
-    fresh = Engine(load_model("tiny:llama", dtype=torch.bfloat16), EngineConfig(num_blocks=256, block_size=4))
+    fresh = Engine(load_model("tiny:llama", dtype=torch.bfloat16), config)
     resumed = Chat("bf", engine=fresh, max_new_tokens=12)
     assert resumed.wait_restored().source == "disk"
     resumed.send("One more.")
     assert resumed.last_stats.token_ids == want  # restored bf16 KV is exactly the KV it was
     assert resumed.last_stats.reused_tokens > 0
     resumed.close()
+    assert bool(products) == (cpu_attention == "auto")
 
 
 def test_a_float32_engine_never_uses_a_bfloat16_cache() -> None:

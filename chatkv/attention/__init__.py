@@ -132,18 +132,22 @@ def attach(model: Any) -> None:
         model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, cpu_attention: str = "auto") -> AttentionBackend:
     """The backend called ``name`` (``torch``, ``triton``, ``flex`` or ``auto``) for ``device``.
 
     ``auto`` picks the fused Triton kernels on CUDA when Triton imports, the
-    ``torch`` backend otherwise.
+    ``torch`` backend otherwise. ``cpu_attention`` ``"auto"`` lets the
+    ``torch`` backend attend bfloat16 prefills on the CPU by products
+    (:func:`chatkv.attention.torch_backend.product_attention`); ``"sdpa"``
+    keeps SDPA for all.
 
     Raises:
         ValueError: an unknown name, or ``triton`` asked for where it cannot run
             (no triton package, or neither CUDA nor ``TRITON_INTERPRET=1``).
     """
+    products = cpu_attention == "auto"
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(products)
     if name == "flex":
         from chatkv.attention.flex_backend import FlexBackend
 
@@ -159,5 +163,5 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
                     "the triton attention backend needs the triton package and CUDA "
                     "(or TRITON_INTERPRET=1 on the CPU)"
                 )
-        return TorchBackend()
+        return TorchBackend(products)
     raise ValueError(f"unknown attention backend {name!r}; choose torch, triton, flex or auto")

@@ -6,15 +6,111 @@ backend is tested against.
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 
 from chatkv.attention.base import AttentionBackend, AttentionMetadata
+from chatkv.errors import ConfigError
 
 
 #: Prefills of at most this many tokens per sequence attend with each KV head's
 #: query heads stacked as rows (faster on the CPU below about 32 tokens, level above).
 GROUPED_QUERY_MAX = 32
+
+#: Environment variable for :attr:`chatkv.config.EngineConfig.cpu_attention`:
+#: ``sdpa`` keeps every step on SDPA; ``auto`` (the default) attends bfloat16
+#: on the CPU by two products (:func:`product_attention`).
+CPU_ATTENTION_ENV = "CHATKV_CPU_ATTENTION"
+#: Most scores (elements) one product computes; longer prefills are cut into row chunks.
+PRODUCTS_MAX_SCORES = 1 << 23
+
+
+def resolve_cpu_attention(setting: str | None) -> str:
+    """``"auto"`` or ``"sdpa"`` for ``setting`` (None: ``$CHATKV_CPU_ATTENTION``, else auto).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if setting is None:
+        setting = os.environ.get(CPU_ATTENTION_ENV, "") or "auto"
+    mode = setting.strip().lower()
+    if mode not in ("auto", "sdpa"):
+        raise ConfigError(f"cpu_attention (or ${CPU_ATTENTION_ENV}) must be 'auto' or 'sdpa', got {setting!r}")
+    return mode
+
+
+def products_apply(query: torch.Tensor) -> bool:
+    """Whether a step's ``query`` attends by :func:`product_attention` in a
+    backend that allows it: bfloat16 on the CPU.
+
+    Where the CPU has no bfloat16 GEMM of MKL's own (this project's AMD VM),
+    SDPA's flash kernel widens bfloat16 tiles to float32 for MKL's sgemm, and
+    each 32-row tile of queries costs a fixed share; oneDNN's bfloat16
+    products (``brg_matmul``) run a chat turn's new message over 1k to 4k
+    keys in about half SDPA's time, and a decode step from about 1k keys on
+    in less than SDPA's (``python -m benchmarks.attention_paths``). Every
+    step of such a model attends the same way, decode included: a row's
+    result then does not depend on which step computed it (a turn prefilled
+    in one step or in several, or decoded), so a resumed session still
+    answers as a fresh re-prefill of its history does.
+    """
+    return query.dtype is torch.bfloat16 and query.device.type == "cpu"
+
+
+def product_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``[kv_heads, group, T, D]`` (the last ``T``
+    positions) over ``k``/``v`` ``[kv_heads, L, D]`` as two matrix products.
+
+    The arithmetic is transformers' eager attention in the query's dtype:
+    scores ``q @ k^T`` rounded to that dtype and scaled, the mask added,
+    softmax in float32 rounded back, then ``@ v``. A power-of-two ``scale``
+    (head dimension 64, 256, ...) is applied to the queries instead, which
+    gives the same scores bit for bit. Each KV head's query heads are stacked
+    as rows (no repeated keys), and the scores are computed as ``k @ q^T``
+    and read transposed: with the long operand as oneDNN's source that is 2x
+    to 3x faster on the CPU, and the same values. Rows are cut into chunks of
+    at most :data:`PRODUCTS_MAX_SCORES` scores, and a chunk multiplies only
+    up to the last key its rows may see; keys past a row's position only add
+    zeros, so a row's result does not depend on the step it is in.
+
+    Returns:
+        ``[kv_heads, group, T, D]``.
+    """
+    kv_heads, group, q_len, head_dim = q.shape
+    kv_len = k.shape[1]
+    offset = kv_len - q_len  # position of the first query
+    out = q.new_empty(q.shape)
+    exact_scale = math.frexp(scale)[0] == 0.5
+    rows = max(1, min(q_len, PRODUCTS_MAX_SCORES // max(1, kv_heads * group * kv_len)))
+    for t0 in range(0, q_len, rows):
+        t1 = min(q_len, t0 + rows)
+        n = t1 - t0
+        last = offset + t1  # keys after the chunk's last query are hidden from every row
+        qc = q[:, :, t0:t1].reshape(kv_heads, group * n, head_dim)
+        if exact_scale:
+            qc = qc * scale
+        scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)  # [kv_heads, group*n, last]
+        if not exact_scale:
+            scores = scores * scale
+        if n > 1 or (sliding_window is not None and last > sliding_window):
+            pos = torch.arange(offset + t0, last, device=q.device).unsqueeze(1)
+            # Without a window only the keys from the chunk's first query on can be hidden.
+            lo = 0 if sliding_window is not None else offset + t0
+            keys = torch.arange(lo, last, device=q.device).unsqueeze(0)
+            hidden = keys > pos
+            if sliding_window is not None:
+                hidden |= keys <= pos - sliding_window
+            scores.view(kv_heads, group, n, last)[..., lo:].masked_fill_(hidden, float("-inf"))
+        # In float32 and rounded back, as eager does (a bfloat16 softmax is not
+        # always the same, and on a transposed input differs more often).
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        out[:, :, t0:t1] = torch.matmul(probs, v[:, :last]).view(kv_heads, group, n, head_dim)
+    return out
 
 
 def causal_window_mask(
@@ -95,8 +191,10 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     contiguous_start: list[int] | None = None,
     masks: dict | None = None,
+    products: bool = False,
 ) -> torch.Tensor:
-    """Paged attention for a packed batch, one sequence at a time, via SDPA.
+    """Paged attention for a packed batch, one sequence at a time, via SDPA
+    (or, with ``products``, by :func:`product_attention` where :func:`products_apply`).
 
     Args:
         query: ``[T, q_heads, head_dim]``, sequences packed in order.
@@ -109,6 +207,8 @@ def paged_attention_reference(
         contiguous_start: per sequence, the first block when its blocks are
             consecutive in the pool (read as a view), else -1.
         masks: where the step keeps its masks between layers (see :func:`step_mask`).
+        products: attend every sequence by :func:`product_attention` (as
+            transformers' eager attention does) where :func:`products_apply`.
 
     Returns:
         ``[T, q_heads, head_dim]``.
@@ -119,11 +219,18 @@ def paged_attention_reference(
     assert sum(query_lens) == total, (query_lens, total)
     group = q_heads // kv_heads
     out = torch.empty_like(query)
+    products = products and products_apply(query)
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         run = contiguous_start[i] if contiguous_start is not None else -1
         k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
         v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
+        if products:
+            q = query[start : start + q_len].transpose(0, 1).reshape(kv_heads, group, q_len, head_dim)
+            o = product_attention(q, k[0].to(q.dtype), v[0].to(q.dtype), scale, sliding_window)
+            out[start : start + q_len] = o.reshape(q_heads, q_len, head_dim).transpose(0, 1)
+            start += q_len
+            continue
         if q_len == 1:
             # Decode: the query heads that share a KV head become that head's
             # queries, all at the last position, so no mask is needed (a window
@@ -159,9 +266,14 @@ def paged_attention_reference(
 
 
 class TorchBackend(AttentionBackend):
-    """Gathers each sequence's blocks into a contiguous copy and calls SDPA."""
+    """Reads each sequence's blocks (a view when they are consecutive) and calls
+    SDPA, or in bfloat16 on the CPU multiplies (``products``)."""
 
     name = "torch"
+
+    def __init__(self, products: bool = False) -> None:
+        #: Attend by :func:`product_attention` where :func:`products_apply` (bfloat16 on the CPU).
+        self.products = products
 
     def forward(
         self,
@@ -176,5 +288,5 @@ class TorchBackend(AttentionBackend):
         return paged_attention_reference(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens_list,
             meta.query_lens_list, scale, sliding_window, meta.extras.get("contiguous_start"),
-            meta.extras.setdefault("masks", {}),
+            meta.extras.setdefault("masks", {}), self.products,
         )
