@@ -26,6 +26,9 @@ GROUPED_QUERY_MAX = 32
 CPU_ATTENTION_ENV = "CHATKV_CPU_ATTENTION"
 #: Most scores (elements) one product computes; longer prefills are cut into row chunks.
 PRODUCTS_MAX_SCORES = 1 << 23
+#: Up to this many query rows per KV head, scores are computed as ``k @ q^T``
+#: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``.
+KEYS_FIRST_MAX_ROWS = 72
 
 
 def resolve_cpu_attention(setting: str | None) -> str:
@@ -71,9 +74,10 @@ def product_attention(
     softmax in float32 rounded back, then ``@ v``. A power-of-two ``scale``
     (head dimension 64, 256, ...) is applied to the queries instead, which
     gives the same scores bit for bit. Each KV head's query heads are stacked
-    as rows (no repeated keys), and the scores are computed as ``k @ q^T``
-    and read transposed: with the long operand as oneDNN's source that is 2x
-    to 3x faster on the CPU, and the same values. Rows are cut into chunks of
+    as rows (no repeated keys). With few rows (a decode step, a short
+    message) the scores are computed as ``k @ q^T`` and read transposed:
+    oneDNN then packs the small operand, not the keys, up to 2x faster, and
+    the values are the same (checked). Rows are cut into chunks of
     at most :data:`PRODUCTS_MAX_SCORES` scores, and a chunk multiplies only
     up to the last key its rows may see; keys past a row's position only add
     zeros, so a row's result does not depend on the step it is in.
@@ -94,7 +98,10 @@ def product_attention(
         qc = q[:, :, t0:t1].reshape(kv_heads, group * n, head_dim)
         if exact_scale:
             qc = qc * scale
-        scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)  # [kv_heads, group*n, last]
+        if group * n <= KEYS_FIRST_MAX_ROWS:  # the same values either way
+            scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)
+        else:
+            scores = torch.matmul(qc, k[:, :last].transpose(1, 2))  # [kv_heads, group*n, last]
         if not exact_scale:
             scores = scores * scale
         if n > 1 or (sliding_window is not None and last > sliding_window):
