@@ -79,8 +79,7 @@ def operator_us(contexts: tuple[int, ...], tokens: tuple[int, ...], repeats: int
 def step_ms(engine: Any, contexts: tuple[int, ...], tokens: tuple[int, ...], repeats: int) -> dict[int, dict[int, dict]]:
     """Median milliseconds of one engine step of ``T`` tokens over ``L`` cached
     ones, the backend's ``products`` off and on, alternating step by step. Runs on the loop."""
-    from benchmarks.prefill_step import _ids
-    from chatkv.runner import StepInput
+    from benchmarks.prefill_step import _ids, timed_step
     from chatkv.sequence import Sequence
 
     def job() -> dict[int, dict[int, dict]]:
@@ -99,12 +98,7 @@ def step_ms(engine: Any, contexts: tuple[int, ...], tokens: tuple[int, ...], rep
                     for rep in range(2 * (repeats + 1)):
                         name = "products" if rep % 2 else "sdpa"
                         backend.products = name == "products"
-                        new = _ids(rep, t, 3, vocab)
-                        seq.token_ids.extend(new)
-                        started = time.perf_counter()
-                        runner.forward([StepInput(seq, new)])
-                        times[name].append(time.perf_counter() - started)
-                        runner.pool.truncate(seq, context)
+                        times[name].append(timed_step(runner, seq, _ids(rep, t, 3, vocab), context))
                     result[context][t] = {n: statistics.median(v[1:]) * 1e3 for n, v in times.items()}
                 runner.pool.discard(seq)
         finally:

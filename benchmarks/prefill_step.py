@@ -52,12 +52,24 @@ def transformers_prefill_ms(model: Any, context: int, tokens: int, repeats: int)
     return statistics.median(times[1:]) * 1e3
 
 
+def timed_step(runner: Any, seq: Any, new: list[int], context: int) -> float:
+    """Seconds of one ``runner`` step of the ``new`` tokens appended to ``seq``,
+    whose KV is then cut back to its first ``context`` tokens. Runs on the loop."""
+    from chatkv.runner import StepInput
+
+    seq.token_ids.extend(new)
+    started = time.perf_counter()
+    runner.forward([StepInput(seq, new)])
+    seconds = time.perf_counter() - started
+    runner.pool.truncate(seq, context)
+    return seconds
+
+
 def chatkv_prefill_ms(engine: Any, context: int, tokens: int, repeats: int) -> tuple[float, float, int]:
     """Median milliseconds of one chatkv prefill step of ``tokens`` tokens over
     ``context`` cached ones, through the engine's compiled prefill graph and
     through the model as it is (alternating, first repeat of each left out),
     and how many steps ran through the graph. Runs on the loop."""
-    from chatkv.runner import StepInput
     from chatkv.sequence import Sequence
 
     def job() -> tuple[float, float, int]:
@@ -72,12 +84,7 @@ def chatkv_prefill_ms(engine: Any, context: int, tokens: int, repeats: int) -> t
             for rep in range(2 * repeats):
                 compiled = rep % 2 == 0
                 runner.prefill_graph = graph if compiled else None
-                new = _ids(rep, tokens, 3, vocab)
-                seq.token_ids.extend(new)
-                started = time.perf_counter()
-                runner.forward([StepInput(seq, new)])
-                times[compiled].append(time.perf_counter() - started)
-                runner.pool.truncate(seq, context)
+                times[compiled].append(timed_step(runner, seq, _ids(rep, tokens, 3, vocab), context))
         finally:
             runner.prefill_graph = graph
             runner.pool.discard(seq)

@@ -54,12 +54,12 @@ def products_apply(query: torch.Tensor) -> bool:
     each 32-row tile of queries costs a fixed share; oneDNN's bfloat16
     products (``brg_matmul``) run a chat turn's new message over 1k to 4k
     keys in about half SDPA's time, and a decode step from about 2k keys on
-    in less than SDPA's, over 500 keys in 1.6x (``python -m
-    benchmarks.attention_paths``). Every
-    step of such a model attends the same way, decode included: a row's
-    result then does not depend on which step computed it (a turn prefilled
-    in one step or in several, or decoded), so a resumed session still
-    answers as a fresh re-prefill of its history does.
+    in less than SDPA's, over 500 keys in 1.6x
+    (``python -m benchmarks.attention_paths``). Every step of such a model
+    attends the same way, decode included: a row's result then does not
+    depend on which step computed it (a turn prefilled in one step or in
+    several, or decoded), so a resumed session still answers as a fresh
+    re-prefill of its history does.
     """
     return query.dtype is torch.bfloat16 and query.device.type == "cpu"
 
