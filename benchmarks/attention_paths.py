@@ -6,6 +6,11 @@
 Three measurements, each interleaving the two paths in one process so a noisy
 neighbour hits both alike:
 
+"products" here means every row by products: the engine's threshold
+(:data:`chatkv.attention.torch_backend.PRODUCTS_FROM_POSITION`, below which
+rows go through SDPA) is set to 0 for the run, since these figures are what
+place it.
+
 1. **The attention operator alone.** :func:`chatkv.attention.torch_backend.paged_attention_reference`
    for one sequence of ``T`` new tokens over ``L`` cached ones (SmolLM2's
    shape: 9 query heads, 3 KV heads, head dimension 64, blocks of 16 in a
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from chatkv.threads import in_passing_thread
 
     tune_malloc()  # as an engine does: a step's buffers reuse freed memory
+    from chatkv.attention import torch_backend
+
+    torch_backend.PRODUCTS_FROM_POSITION = 0  # "products": every row (see the module docstring)
     contexts, tokens = parse_sizes(args.contexts), parse_sizes(args.tokens)
     # In threads that exit when done, so that their OpenMP pools go with them
     # before the engine's loop starts its own (chatkv/threads.py).

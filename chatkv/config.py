@@ -143,12 +143,12 @@ class EngineConfig:
             threads started later in the process begin with.
         cpu_attention: how a bfloat16 model attends on the CPU: ``"auto"``
             (None: ``$CHATKV_CPU_ATTENTION``, else auto) by two bfloat16
-            matrix products, as transformers' eager attention computes, in
-            every step (a chat turn's new message over 1k to 4k cached
-            tokens: 0.65x to 0.82x the step's time on this project's CPU;
-            a decode step over 500 tokens 1.1x); ``"sdpa"`` through SDPA's
-            flash kernel, whose scores stay in float32
-            (:mod:`chatkv.attention.torch_backend`).
+            matrix products, as transformers' eager attention computes, for
+            every position from 2,048 on (there a step over a long history
+            takes 0.6x to 0.8x its time through SDPA on this project's CPU;
+            earlier positions keep SDPA, whose decode step is the cheaper
+            there); ``"sdpa"`` through SDPA's flash kernel everywhere, whose
+            scores stay in float32 (:mod:`chatkv.attention.torch_backend`).
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
             back or lets the next turn recompute it, whichever the engine's

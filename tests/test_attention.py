@@ -221,8 +221,11 @@ def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, windo
 def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_scores, monkeypatch):
     """One prefill of 70 tokens, or prefills of 40, 9 and 3 then 18 decode steps,
     over the same keys and values: every row's output is the same bit for bit
-    (so a resumed session's KV is the KV a fresh re-prefill computes)."""
+    (so a resumed session's KV is the KV a fresh re-prefill computes). Rows
+    before position 30 attend through SDPA, the rest by products; steps
+    straddle that position."""
     monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 30)
     torch.manual_seed(6)
     hq, hkv, d, bs, n = 6, 2, 64, 16, 70
     k_cache = torch.randn(8, bs, hkv, d, dtype=torch.bfloat16)
@@ -234,7 +237,10 @@ def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_
     parts = [paged_attention_reference(q[lo:hi], k_cache, v_cache, table, [hi], [hi - lo], d ** -0.5, window,
                                        products=True) for lo, hi in steps]
     assert torch.equal(torch.cat(parts), whole)
+    early = paged_attention_reference(q[:30], k_cache, v_cache, table, [30], [30], d ** -0.5, window)
+    assert torch.equal(whole[:30], early)  # SDPA's rows, as SDPA alone computes them
     sdpa = paged_attention_reference(q, k_cache, v_cache, table, [n], [n], d ** -0.5, window)
+    assert not torch.equal(whole[30:], sdpa[30:])
     torch.testing.assert_close(whole, sdpa, atol=2e-2, rtol=2e-2)  # bf16 scores against float32 ones
     assert torch_backend.products_apply(q) and not torch_backend.products_apply(q.float())
 

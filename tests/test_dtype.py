@@ -88,7 +88,9 @@ def test_engines_load_specs_in_the_configured_dtype_and_refuse_a_mismatch() -> N
 
 @pytest.mark.parametrize("cpu_attention", ["auto", "sdpa"])
 def test_bf16_replies_match_stock_bf16_and_survive_a_restart(tmp_path, cpu_attention, monkeypatch) -> None:
-    # "auto" attends every step by bf16 products, "sdpa" none.
+    # "auto" attends by bf16 products from position 8 on (2048 by default:
+    # this model's turns are short), "sdpa" never.
+    monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 8)
     products = []
     attend = torch_backend.product_attention
     monkeypatch.setattr(torch_backend, "product_attention", lambda *a: products.append(1) or attend(*a))

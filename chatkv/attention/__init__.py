@@ -137,9 +137,10 @@ def get_backend(name: str, device: torch.device, cpu_attention: str = "auto") ->
 
     ``auto`` picks the fused Triton kernels on CUDA when Triton imports, the
     ``torch`` backend otherwise. ``cpu_attention`` ``"auto"`` lets the
-    ``torch`` backend attend every step of a bfloat16 model on the CPU by
-    products (:func:`chatkv.attention.torch_backend.product_attention`);
-    ``"sdpa"`` keeps SDPA for all.
+    ``torch`` backend attend a bfloat16 model's rows from position 2,048 on
+    by products on the CPU
+    (:func:`chatkv.attention.torch_backend.product_attention`); ``"sdpa"``
+    keeps SDPA for all.
 
     Raises:
         ValueError: an unknown name, or ``triton`` asked for where it cannot run

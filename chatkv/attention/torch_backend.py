@@ -22,10 +22,15 @@ GROUPED_QUERY_MAX = 32
 
 #: Environment variable for :attr:`chatkv.config.EngineConfig.cpu_attention`:
 #: ``sdpa`` keeps every step on SDPA; ``auto`` (the default) attends bfloat16
-#: on the CPU by two products (:func:`product_attention`).
+#: on the CPU by two products (:func:`product_attention`) from
+#: :data:`PRODUCTS_FROM_POSITION` on.
 CPU_ATTENTION_ENV = "CHATKV_CPU_ATTENTION"
 #: Most scores (elements) one product computes; longer prefills are cut into row chunks.
 PRODUCTS_MAX_SCORES = 1 << 23
+#: Rows at this position and later attend by products; earlier ones through
+#: SDPA, whose one call costs less than the products' seven below about 2k
+#: keys (a decode step over 500 keys: 0.6x the products' time).
+PRODUCTS_FROM_POSITION = 2048
 #: Up to this many query rows per KV head, scores are computed as ``k @ q^T``
 #: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``.
 KEYS_FIRST_MAX_ROWS = 72
@@ -46,20 +51,20 @@ def resolve_cpu_attention(setting: str | None) -> str:
 
 
 def products_apply(query: torch.Tensor) -> bool:
-    """Whether a step's ``query`` attends by :func:`product_attention` in a
-    backend that allows it: bfloat16 on the CPU.
+    """Whether a step's ``query`` may attend by :func:`product_attention` in a
+    backend that allows it: bfloat16 on the CPU. Its rows from
+    :data:`PRODUCTS_FROM_POSITION` on then do; earlier rows go through SDPA.
 
     Where the CPU has no bfloat16 GEMM of MKL's own (this project's AMD VM),
     SDPA's flash kernel widens bfloat16 tiles to float32 for MKL's sgemm, and
     each 32-row tile of queries costs a fixed share; oneDNN's bfloat16
     products (``brg_matmul``) run a chat turn's new message over 1k to 4k
-    keys in about half SDPA's time, and a decode step from about 2k keys on
-    in less than SDPA's, over 500 keys in 1.6x
-    (``python -m benchmarks.attention_paths``). Every step of such a model
-    attends the same way, decode included: a row's result then does not
-    depend on which step computed it (a turn prefilled in one step or in
-    several, or decoded), so a resumed session still answers as a fresh
-    re-prefill of its history does.
+    keys in about half SDPA's time. A decode step costs the products seven
+    operator calls against SDPA's one: over 500 keys 1.6x SDPA's time, from
+    about 2k keys less (``python -m benchmarks.attention_paths``). Which way
+    a row attends depends on its position alone, never on the step it is in
+    (a turn prefilled in one step or in several, or decoded), and the
+    products' rows do not depend on the step at all (tested bit for bit).
     """
     return query.dtype is torch.bfloat16 and query.device.type == "cpu"
 
@@ -202,7 +207,8 @@ def paged_attention_reference(
     products: bool = False,
 ) -> torch.Tensor:
     """Paged attention for a packed batch, one sequence at a time, via SDPA
-    (or, with ``products``, by :func:`product_attention` where :func:`products_apply`).
+    (or, with ``products``, its rows from :data:`PRODUCTS_FROM_POSITION` on by
+    :func:`product_attention` where :func:`products_apply`).
 
     Args:
         query: ``[T, q_heads, head_dim]``, sequences packed in order.
@@ -215,8 +221,9 @@ def paged_attention_reference(
         contiguous_start: per sequence, the first block when its blocks are
             consecutive in the pool (read as a view), else -1.
         masks: where the step keeps its masks between layers (see :func:`step_mask`).
-        products: attend every sequence by :func:`product_attention` (as
-            transformers' eager attention does) where :func:`products_apply`.
+        products: attend rows from :data:`PRODUCTS_FROM_POSITION` on by
+            :func:`product_attention` (as transformers' eager attention
+            does) where :func:`products_apply`.
 
     Returns:
         ``[T, q_heads, head_dim]``.
@@ -233,49 +240,63 @@ def paged_attention_reference(
         run = contiguous_start[i] if contiguous_start is not None else -1
         k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
         v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
-        if products:
-            q = query[start : start + q_len].transpose(0, 1).reshape(kv_heads, group, q_len, head_dim)
+        # Rows before PRODUCTS_FROM_POSITION attend through SDPA, the rest by
+        # products: which way a row attends depends on its position alone.
+        cut = q_len if not products else max(0, min(q_len, PRODUCTS_FROM_POSITION - (kv_len - q_len)))
+        if cut:
+            seen = kv_len - q_len + cut
+            out[start : start + cut] = _sdpa_attention(query[start : start + cut], k[:, :, :seen], v[:, :, :seen],
+                                                       scale, sliding_window, masks)
+        if cut < q_len:
+            n = q_len - cut
+            q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
             o = product_attention(q, k[0].to(q.dtype), v[0].to(q.dtype), scale, sliding_window)
-            out[start : start + q_len] = o.reshape(q_heads, q_len, head_dim).transpose(0, 1)
-            start += q_len
-            continue
-        if q_len == 1:
-            # Decode: the query heads that share a KV head become that head's
-            # queries, all at the last position, so no mask is needed (a window
-            # is a slice) and SDPA sees [1, kv_heads, group, D] against
-            # [1, kv_heads, L, D]: no GQA expansion, and several queries per
-            # head, which CPU SDPA runs several times faster than one.
-            lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
-            q = query[start].reshape(kv_heads, group, head_dim).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), scale=scale)
-            out[start] = o[0].reshape(q_heads, head_dim)
-            start += 1
-            continue
-        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        mask = step_mask(masks, q_len, kv_len, sliding_window, query.device, query.dtype)
-        if group > 1 and q_len <= GROUPED_QUERY_MAX:
-            # A short prefill (a chat turn's new message) as decode does it: each KV
-            # head's group of query heads as one head of group * q_len rows, the
-            # mask repeated per group; the same result, bit for bit, with no GQA
-            # expansion of the keys and values (a quarter less time at 21 tokens).
-            rows = _repeated_mask(masks, mask, group) if mask is not None else None
-            o = F.scaled_dot_product_attention(
-                q.reshape(1, kv_heads, group * q_len, head_dim), k.to(q.dtype), v.to(q.dtype),
-                attn_mask=rows, scale=scale,
-            ).reshape(1, q_heads, q_len, head_dim)  # CUDA's SDPA may return a strided layout
-        else:
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                enable_gqa=q_heads != kv_heads,
-            )
-        out[start : start + q_len] = o[0].transpose(0, 1)
+            out[start + cut : start + q_len] = o.reshape(q_heads, n, head_dim).transpose(0, 1)
         start += q_len
     return out
 
 
+def _sdpa_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    sliding_window: int | None, masks: dict | None) -> torch.Tensor:
+    """One sequence's ``query`` ``[T, q_heads, D]`` (the last ``T`` of ``L``
+    positions) over its keys and values ``[1, kv_heads, L, D]`` through SDPA;
+    ``[T, q_heads, D]``."""
+    q_len, q_heads, head_dim = query.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    if q_len == 1:
+        # Decode: the query heads that share a KV head become that head's
+        # queries, all at the last position, so no mask is needed (a window
+        # is a slice) and SDPA sees [1, kv_heads, group, D] against
+        # [1, kv_heads, L, D]: no GQA expansion, and several queries per
+        # head, which CPU SDPA runs several times faster than one.
+        lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
+        q = query[0].reshape(kv_heads, group, head_dim).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), scale=scale)
+        return o[0].reshape(1, q_heads, head_dim)
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+    mask = step_mask(masks, q_len, kv_len, sliding_window, query.device, query.dtype)
+    if group > 1 and q_len <= GROUPED_QUERY_MAX:
+        # A short prefill (a chat turn's new message) as decode does it: each KV
+        # head's group of query heads as one head of group * q_len rows, the
+        # mask repeated per group; the same result, bit for bit, with no GQA
+        # expansion of the keys and values (a quarter less time at 21 tokens).
+        rows = _repeated_mask(masks, mask, group) if mask is not None else None
+        o = F.scaled_dot_product_attention(
+            q.reshape(1, kv_heads, group * q_len, head_dim), k.to(q.dtype), v.to(q.dtype),
+            attn_mask=rows, scale=scale,
+        ).reshape(1, q_heads, q_len, head_dim)  # CUDA's SDPA may return a strided layout
+    else:
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=q_heads != kv_heads,
+        )
+    return o[0].transpose(0, 1)
+
+
 class TorchBackend(AttentionBackend):
     """Reads each sequence's blocks (a view when they are consecutive) and calls
-    SDPA, or in bfloat16 on the CPU multiplies (``products``)."""
+    SDPA, or in bfloat16 on the CPU multiplies for long contexts (``products``)."""
 
     name = "torch"
 
