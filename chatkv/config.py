@@ -53,7 +53,9 @@ WARMUP_DECODE_STEPS = 4
 #: matter), a prefill of :data:`WARMUP_DELTA_TOKENS` new tokens over them, and
 #: decode steps. A first prefill over a cached history ran 4 to 6 ms slower
 #: than later ones until the warm-up ran one (a fresh prefill does not cover it).
-WARMUP_CONTEXT_TOKENS = 1024
+#: Past position 2,048, so that a bfloat16 model on the CPU also runs its
+#: attention's products there once (:data:`chatkv.attention.torch_backend.PRODUCTS_FROM_POSITION`).
+WARMUP_CONTEXT_TOKENS = 2112
 #: New tokens of that turn (about a short user message and its template).
 WARMUP_DELTA_TOKENS = 24
 #: The warm-up runs every linear layer's shape for steps of 1 to this many new

@@ -30,7 +30,7 @@ def test_a_pool_too_small_for_the_returning_turn_runs_only_the_new_one() -> None
 def test_replies_are_the_same_with_and_without_warm_up() -> None:
     replies = []
     for warmup in (True, False):
-        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=400, block_size=4, warmup=warmup))
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=700, block_size=4, warmup=warmup))
         assert (engine.warmed is None) is (not warmup)
         assert engine.wait_warm(timeout=120) == (NEW_TURN + RETURNING_TURN if warmup else 0)
         chat = Chat("w", system="be brief", engine=engine, persist=False, max_new_tokens=8)
