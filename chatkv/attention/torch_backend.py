@@ -71,6 +71,7 @@ def products_apply(query: torch.Tensor) -> bool:
 
 def product_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
+    masks: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[kv_heads, group, T, D]`` (the last ``T``
     positions) over ``k``/``v`` ``[kv_heads, L, D]`` as two matrix products.
@@ -86,7 +87,8 @@ def product_attention(
     the values are the same (checked). Rows are cut into chunks of
     at most :data:`PRODUCTS_MAX_SCORES` scores, and a chunk multiplies only
     up to the last key its rows may see; keys past a row's position only add
-    zeros, so a row's result does not depend on the step it is in.
+    zeros, so a row's result does not depend on the step it is in. ``masks``
+    is where the step keeps its masks between layers (:func:`step_mask`).
 
     Returns:
         ``[kv_heads, group, T, D]``.
@@ -110,15 +112,13 @@ def product_attention(
             scores = torch.matmul(qc, k[:, :last].transpose(1, 2))  # [kv_heads, group*n, last]
         if not exact_scale:
             scores = scores * scale
-        if n > 1 or (sliding_window is not None and last > sliding_window):
-            pos = torch.arange(offset + t0, last, device=q.device).unsqueeze(1)
+        # The chunk's rows are the last n of `last` positions: the step's shared
+        # additive mask (0 or -inf; adding 0 leaves a score as it is, as eager's does).
+        mask = step_mask(masks, n, last, sliding_window, q.device, q.dtype)
+        if mask is not None:
             # Without a window only the keys from the chunk's first query on can be hidden.
             lo = 0 if sliding_window is not None else offset + t0
-            keys = torch.arange(lo, last, device=q.device).unsqueeze(0)
-            hidden = keys > pos
-            if sliding_window is not None:
-                hidden |= keys <= pos - sliding_window
-            scores.view(kv_heads, group, n, last)[..., lo:].masked_fill_(hidden, float("-inf"))
+            scores.view(kv_heads, group, n, last)[..., lo:].add_(mask[:, lo:])
         # In float32 and rounded back, as eager does (a bfloat16 softmax is not
         # always the same, and on a transposed input differs more often).
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
@@ -250,7 +250,7 @@ def paged_attention_reference(
         if cut < q_len:
             n = q_len - cut
             q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
-            o = product_attention(q, k[0].to(q.dtype), v[0].to(q.dtype), scale, sliding_window)
+            o = product_attention(q, k[0].to(q.dtype), v[0].to(q.dtype), scale, sliding_window, masks)
             out[start + cut : start + q_len] = o.reshape(q_heads, n, head_dim).transpose(0, 1)
         start += q_len
     return out
