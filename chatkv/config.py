@@ -53,8 +53,9 @@ WARMUP_DECODE_STEPS = 4
 #: matter), a prefill of :data:`WARMUP_DELTA_TOKENS` new tokens over them, and
 #: decode steps. A first prefill over a cached history ran 4 to 6 ms slower
 #: than later ones until the warm-up ran one (a fresh prefill does not cover it).
-#: Past position 2,048, so that a bfloat16 model on the CPU also runs its
-#: attention's products there once (:data:`chatkv.attention.torch_backend.PRODUCTS_FROM_POSITION`).
+#: Past position 2,048 (and so past where a bfloat16 model on the CPU attends
+#: by products, 1,024), so that the turn runs those products once, over
+#: buffers as large as a long conversation's (:data:`chatkv.attention.torch_backend.PRODUCTS_FROM_POSITION`).
 WARMUP_CONTEXT_TOKENS = 2112
 #: New tokens of that turn (about a short user message and its template).
 WARMUP_DELTA_TOKENS = 24
@@ -146,10 +147,10 @@ class EngineConfig:
         cpu_attention: how a bfloat16 model attends on the CPU: ``"auto"``
             (None: ``$CHATKV_CPU_ATTENTION``, else auto) by two bfloat16
             matrix products, as transformers' eager attention computes, for
-            every position from 2,048 on (there a step over a long history
-            takes 0.6x to 0.8x its time through SDPA on this project's CPU;
-            earlier positions keep SDPA, whose decode step is the cheaper
-            there); ``"sdpa"`` through SDPA's flash kernel everywhere, whose
+            every position from 1,024 on (there a returning turn's prefill
+            step takes 0.7x to 0.85x its time through SDPA on this project's
+            CPU, a decode step up to 0.93x; earlier positions keep SDPA,
+            whose decode step is the cheaper there); ``"sdpa"`` through SDPA's flash kernel everywhere, whose
             scores stay in float32 (:mod:`chatkv.attention.torch_backend`).
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it

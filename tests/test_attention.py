@@ -216,6 +216,38 @@ def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, windo
         torch.testing.assert_close(got, want, atol=1e-5, rtol=2 ** -8)
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_decode_rows_by_products_equal_transformers_eager_attention_bit_for_bit(head_dim, monkeypatch):
+    """A decode step's rows take the products' path of their own (one product
+    over every KV head, the queries laid out block diagonally, where the keys
+    are rows of the pool): each equals transformers' eager attention bit for
+    bit, in a packed step of several sequences and called alone."""
+    monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 0)
+    torch.manual_seed(8)
+    kv_heads, group, bs = 3, 3, 16
+    lens = [1, 300, 47, 1000]
+    blocks = [-(-n // bs) for n in lens]
+    k_cache = torch.randn(sum(blocks) + 2, bs, kv_heads, head_dim, dtype=torch.bfloat16) * 3
+    v_cache = torch.randn(sum(blocks) + 2, bs, kv_heads, head_dim, dtype=torch.bfloat16)
+    order = torch.randperm(sum(blocks) + 2)[: sum(blocks)].to(torch.int32)  # scattered blocks
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for i, first in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
+        table[i, : blocks[i]] = order[first : first + blocks[i]]
+    # [T, heads, D] as the engine hands it over: a transposed view of [heads, T, D].
+    q = torch.randn(kv_heads * group, len(lens), head_dim, dtype=torch.bfloat16).transpose(0, 1)
+    scale = head_dim ** -0.5
+    packed = paged_attention_reference(q, k_cache, v_cache, table, lens, [1] * len(lens), scale,
+                                       products=True, masks={})
+    for i, n in enumerate(lens):
+        k = torch_backend.gather_sequence_kv(k_cache, table[i], n).transpose(0, 1)
+        v = torch_backend.gather_sequence_kv(v_cache, table[i], n).transpose(0, 1)
+        want = _eager(q[i].unsqueeze(1), k.contiguous(), v.contiguous(), scale, None)[:, 0]  # [heads, D]
+        assert torch.equal(packed[i], want), (i, n)
+        alone = product_attention(q[i].reshape(kv_heads, group, 1, head_dim), k.contiguous(), v.contiguous(),
+                                  scale, None)  # [kv_heads, L, D] tensors of their own: per-head products
+        assert torch.equal(alone.reshape(kv_heads * group, head_dim), want), (i, n)
+
+
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("max_scores", [1 << 23, 2000])
 def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_scores, monkeypatch):

@@ -88,12 +88,12 @@ def test_engines_load_specs_in_the_configured_dtype_and_refuse_a_mismatch() -> N
 
 @pytest.mark.parametrize("cpu_attention", ["auto", "sdpa"])
 def test_bf16_replies_match_stock_bf16_and_survive_a_restart(tmp_path, cpu_attention, monkeypatch) -> None:
-    # "auto" attends by bf16 products from position 8 on (2048 by default:
+    # "auto" attends by bf16 products from position 8 on (1024 by default:
     # this model's turns are short), "sdpa" never.
     monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 8)
     products = []
     attend = torch_backend.product_attention
-    monkeypatch.setattr(torch_backend, "product_attention", lambda *a: products.append(1) or attend(*a))
+    monkeypatch.setattr(torch_backend, "product_attention", lambda *a, **kw: products.append(1) or attend(*a, **kw))
     config = EngineConfig(num_blocks=256, block_size=4, cpu_attention=cpu_attention)
     engine = Engine(load_model("tiny:llama", dtype=torch.bfloat16), config)
     reference = stock_copy(engine.loaded.model)

@@ -137,7 +137,7 @@ def get_backend(name: str, device: torch.device, cpu_attention: str = "auto") ->
 
     ``auto`` picks the fused Triton kernels on CUDA when Triton imports, the
     ``torch`` backend otherwise. ``cpu_attention`` ``"auto"`` lets the
-    ``torch`` backend attend a bfloat16 model's rows from position 2,048 on
+    ``torch`` backend attend a bfloat16 model's rows from position 1,024 on
     by products on the CPU
     (:func:`chatkv.attention.torch_backend.product_attention`); ``"sdpa"``
     keeps SDPA for all.

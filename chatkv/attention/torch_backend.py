@@ -28,9 +28,9 @@ CPU_ATTENTION_ENV = "CHATKV_CPU_ATTENTION"
 #: Most scores (elements) one product computes; longer prefills are cut into row chunks.
 PRODUCTS_MAX_SCORES = 1 << 23
 #: Rows at this position and later attend by products; earlier ones through
-#: SDPA, whose one call costs less than the products' seven below about 2k
-#: keys (a decode step over 500 keys: 0.6x the products' time).
-PRODUCTS_FROM_POSITION = 2048
+#: SDPA, whose one call costs less than the products' few below about 1k keys
+#: (a whole decode step over 500 keys: 0.97x the products', over 1k level).
+PRODUCTS_FROM_POSITION = 1024
 #: Up to this many query rows per KV head, scores are computed as ``k @ q^T``
 #: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``.
 KEYS_FIRST_MAX_ROWS = 72
@@ -59,9 +59,10 @@ def products_apply(query: torch.Tensor) -> bool:
     SDPA's flash kernel widens bfloat16 tiles to float32 for MKL's sgemm, and
     each 32-row tile of queries costs a fixed share; oneDNN's bfloat16
     products (``brg_matmul``) run a chat turn's new message over 1k to 4k
-    keys in about half SDPA's time. A decode step costs the products seven
-    operator calls against SDPA's one: over 500 keys 1.6x SDPA's time, from
-    about 2k keys less (``python -m benchmarks.attention_paths``). Which way
+    keys in about half SDPA's time. A decode step costs the products about
+    six operator calls against SDPA's one: the whole step over 500 keys
+    1.03x SDPA's time, level at 1k, less beyond
+    (``python -m benchmarks.attention_paths``). Which way
     a row attends depends on its position alone, never on the step it is in
     (a turn prefilled in one step or in several, or decoded), and the
     products' rows do not depend on the step at all (tested bit for bit).
@@ -71,7 +72,7 @@ def products_apply(query: torch.Tensor) -> bool:
 
 def product_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
-    masks: dict | None = None,
+    masks: dict | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[kv_heads, group, T, D]`` (the last ``T``
     positions) over ``k``/``v`` ``[kv_heads, L, D]`` as two matrix products.
@@ -89,15 +90,21 @@ def product_attention(
     up to the last key its rows may see; keys past a row's position only add
     zeros, so a row's result does not depend on the step it is in. ``masks``
     is where the step keeps its masks between layers (:func:`step_mask`).
+    A decode step's one row (no window) takes a path of its own with the
+    same operators and fewer calls around them, written straight into
+    ``out`` (a contiguous ``[kv_heads, group, 1, D]``) when given.
 
     Returns:
-        ``[kv_heads, group, T, D]``.
+        ``[kv_heads, group, T, D]`` (``out`` when given).
     """
     kv_heads, group, q_len, head_dim = q.shape
     kv_len = k.shape[1]
-    offset = kv_len - q_len  # position of the first query
-    out = q.new_empty(q.shape)
     exact_scale = math.frexp(scale)[0] == 0.5
+    if q_len == 1 and sliding_window is None and group <= KEYS_FIRST_MAX_ROWS:
+        return _product_decode(q, k, v, scale, exact_scale, masks, out)
+    offset = kv_len - q_len  # position of the first query
+    if out is None:
+        out = q.new_empty(q.shape)
     rows = max(1, min(q_len, PRODUCTS_MAX_SCORES // max(1, kv_heads * group * kv_len)))
     for t0 in range(0, q_len, rows):
         t1 = min(q_len, t0 + rows)
@@ -123,6 +130,64 @@ def product_attention(
         # always the same, and on a transposed input differs more often).
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
         out[:, :, t0:t1] = torch.matmul(probs, v[:, :last]).view(kv_heads, group, n, head_dim)
+    return out
+
+
+def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, exact_scale: bool,
+                    masks: dict | None, out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`product_attention` of one row per query head over every key (a
+    decode step without a window): the same products, softmax and roundings
+    as the general path, so the same values bit for bit, in fewer operator
+    calls (a decode step's attention is mostly their fixed cost).
+
+    Where ``k`` and ``v`` are views of the pool's ``[L, kv_heads, D]`` rows
+    (the engine's case), each product is one matrix product over all KV
+    heads: the queries laid out block diagonally (``[heads, kv_heads * D]``,
+    each query head's row nonzero only in its own KV head's ``D`` columns)
+    times the keys ``[L, kv_heads * D]`` read transposed, and the
+    probabilities ``[heads, L]`` times the values ``[L, kv_heads * D]``, of
+    which each row keeps its own head's block. The zeros add nothing to a sum
+    (tested bit for bit against the per-head products), and neither product
+    copies the keys or values into per-head matrices first, as a batched
+    product over the ``[kv_heads, L, D]`` view does. The block-diagonal
+    buffer is kept in ``masks`` for the step's other layers (only its
+    diagonal blocks are ever written).
+    """
+    kv_heads, group, _, head_dim = q.shape
+    heads = kv_heads * group
+    rows, values = k.transpose(0, 1), v.transpose(0, 1)  # [L, kv_heads, D]
+    if rows.is_contiguous() and values.is_contiguous():
+        key = ("decode blocks", kv_heads, group, head_dim, q.dtype, q.device)
+        blocks = masks.get(key) if masks is not None else None
+        if blocks is None:
+            blocks = q.new_zeros(kv_heads, group, kv_heads, head_dim)
+            if masks is not None:
+                masks[key] = blocks
+        # Head h's queries, scaled (exactly: a power of two) or not, into block (h, h).
+        diagonal = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [kv_heads, group, D]
+        qc = q.view(kv_heads, group, head_dim)
+        if exact_scale:
+            torch.mul(qc, scale, out=diagonal)
+        else:
+            diagonal.copy_(qc)
+        scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L]
+        if not exact_scale:
+            scores = scores * scale
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        full = torch.mm(probs, values.view(values.shape[0], -1)).view(kv_heads, group, kv_heads, head_dim)
+        result = full.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # each row's own head: [kv_heads, group, D]
+    else:
+        qc = q.view(kv_heads, group, head_dim)
+        if exact_scale:
+            qc = qc * scale
+        scores = torch.matmul(k, qc.transpose(1, 2)).transpose(1, 2)  # keys first, as the general path
+        if not exact_scale:
+            scores = scores * scale
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        result = torch.matmul(probs, v)
+    if out is None:
+        return result.contiguous().view(kv_heads, group, 1, head_dim)
+    out.view(kv_heads, group, head_dim).copy_(result)
     return out
 
 
@@ -238,20 +303,26 @@ def paged_attention_reference(
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         run = contiguous_start[i] if contiguous_start is not None else -1
-        k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
-        v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1).unsqueeze(0)
+        k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1)  # [kv_heads, L, D]
+        v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1)
+        if k.dtype != query.dtype:
+            k, v = k.to(query.dtype), v.to(query.dtype)
         # Rows before PRODUCTS_FROM_POSITION attend through SDPA, the rest by
         # products: which way a row attends depends on its position alone.
         cut = q_len if not products else max(0, min(q_len, PRODUCTS_FROM_POSITION - (kv_len - q_len)))
         if cut:
             seen = kv_len - q_len + cut
-            out[start : start + cut] = _sdpa_attention(query[start : start + cut], k[:, :, :seen], v[:, :, :seen],
-                                                       scale, sliding_window, masks)
+            out[start : start + cut] = _sdpa_attention(query[start : start + cut], k[None, :, :seen],
+                                                       v[None, :, :seen], scale, sliding_window, masks)
         if cut < q_len:
             n = q_len - cut
-            q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
-            o = product_attention(q, k[0].to(q.dtype), v[0].to(q.dtype), scale, sliding_window, masks)
-            out[start + cut : start + q_len] = o.reshape(q_heads, n, head_dim).transpose(0, 1)
+            if n == 1:  # a decode row: written in place
+                product_attention(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
+                                  sliding_window, masks, out=out[start + cut].view(kv_heads, group, 1, head_dim))
+            else:
+                q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
+                o = product_attention(q, k, v, scale, sliding_window, masks)
+                out[start + cut : start + q_len] = o.reshape(q_heads, n, head_dim).transpose(0, 1)
         start += q_len
     return out
 
@@ -272,7 +343,7 @@ def _sdpa_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         # head, which CPU SDPA runs several times faster than one.
         lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
         q = query[0].reshape(kv_heads, group, head_dim).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k[:, :, lo:].to(q.dtype), v[:, :, lo:].to(q.dtype), scale=scale)
+        o = F.scaled_dot_product_attention(q, k[:, :, lo:], v[:, :, lo:], scale=scale)
         return o[0].reshape(1, q_heads, head_dim)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
     mask = step_mask(masks, q_len, kv_len, sliding_window, query.device, query.dtype)
@@ -283,12 +354,12 @@ def _sdpa_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         # expansion of the keys and values (a quarter less time at 21 tokens).
         rows = _repeated_mask(masks, mask, group) if mask is not None else None
         o = F.scaled_dot_product_attention(
-            q.reshape(1, kv_heads, group * q_len, head_dim), k.to(q.dtype), v.to(q.dtype),
+            q.reshape(1, kv_heads, group * q_len, head_dim), k, v,
             attn_mask=rows, scale=scale,
         ).reshape(1, q_heads, q_len, head_dim)  # CUDA's SDPA may return a strided layout
     else:
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+            q, k, v, attn_mask=mask, scale=scale,
             enable_gqa=q_heads != kv_heads,
         )
     return o[0].transpose(0, 1)
