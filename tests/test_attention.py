@@ -216,12 +216,14 @@ def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, windo
         torch.testing.assert_close(got, want, atol=1e-5, rtol=2 ** -8)
 
 
+@pytest.mark.parametrize("tails", ["finite", "not finite"])
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_decode_rows_by_products_equal_transformers_eager_attention_bit_for_bit(head_dim, monkeypatch):
+def test_decode_rows_by_products_equal_transformers_eager_attention_bit_for_bit(head_dim, tails, monkeypatch):
     """A decode step's rows take the products' path of their own (one product
     over every KV head, the queries laid out block diagonally, where the keys
-    are rows of the pool): each equals transformers' eager attention bit for
-    bit, in a packed step of several sequences and called alone."""
+    are rows of the pool, over whole blocks): each equals transformers' eager
+    attention bit for bit, in a packed step of several sequences and called
+    alone, whatever the unwritten slots of a sequence's last block hold."""
     monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 0)
     torch.manual_seed(8)
     kv_heads, group, bs = 3, 3, 16
@@ -233,6 +235,11 @@ def test_decode_rows_by_products_equal_transformers_eager_attention_bit_for_bit(
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     for i, first in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
         table[i, : blocks[i]] = order[first : first + blocks[i]]
+    if tails == "not finite":  # slots past each sequence's length in its last block
+        for i, n in enumerate(lens):
+            if n % bs:
+                k_cache[table[i, blocks[i] - 1], n % bs :] = float("nan")
+                v_cache[table[i, blocks[i] - 1], n % bs :] = float("inf")
     # [T, heads, D] as the engine hands it over: a transposed view of [heads, T, D].
     q = torch.randn(kv_heads * group, len(lens), head_dim, dtype=torch.bfloat16).transpose(0, 1)
     scale = head_dim ** -0.5

@@ -134,7 +134,8 @@ def product_attention(
 
 
 def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, exact_scale: bool,
-                    masks: dict | None, out: torch.Tensor | None) -> torch.Tensor:
+                    masks: dict | None, out: torch.Tensor | None,
+                    whole_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`product_attention` of one row per query head over every key (a
     decode step without a window): the same products, softmax and roundings
     as the general path, so the same values bit for bit, in fewer operator
@@ -152,10 +153,26 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     product over the ``[kv_heads, L, D]`` view does. The block-diagonal
     buffer is kept in ``masks`` for the step's other layers (only its
     diagonal blocks are ever written).
+
+    ``whole_blocks`` (the rows ``[L', kv_heads, D]`` of every block holding
+    the keys and values, ``L' >= L`` a multiple of the block size) lets both
+    products run over ``L'`` keys instead of ``L``: oneDNN builds a kernel
+    for each new shape (about 0.7 ms per product here, more than the rest of
+    a layer's attention), and a decode step's ``L`` is new every step, where
+    ``L'`` changes once per block. The extra keys' scores are set to -inf, so
+    their probabilities are exact zeros and every row's value is the same bit
+    for bit (tested). A zero times a non-finite value is not zero, so the
+    extra values (slots no token has been written to yet, holding whatever
+    the pool's memory held) are checked first; where one is not finite, the
+    products run over ``L`` keys.
     """
     kv_heads, group, _, head_dim = q.shape
     heads = kv_heads * group
     rows, values = k.transpose(0, 1), v.transpose(0, 1)  # [L, kv_heads, D]
+    kv_len = rows.shape[0]
+    if whole_blocks is not None and whole_blocks[0].shape[0] > kv_len and whole_blocks[0].is_contiguous() \
+            and whole_blocks[1].is_contiguous() and bool(torch.isfinite(whole_blocks[1][kv_len:]).all()):
+        rows, values = whole_blocks
     if rows.is_contiguous() and values.is_contiguous():
         key = ("decode blocks", kv_heads, group, head_dim, q.dtype, q.device)
         blocks = masks.get(key) if masks is not None else None
@@ -170,9 +187,11 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             torch.mul(qc, scale, out=diagonal)
         else:
             diagonal.copy_(qc)
-        scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L]
+        scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L']
         if not exact_scale:
             scores = scores * scale
+        if rows.shape[0] > kv_len:
+            scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
         full = torch.mm(probs, values.view(values.shape[0], -1)).view(kv_heads, group, kv_heads, head_dim)
         result = full.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # each row's own head: [kv_heads, group, D]
@@ -242,9 +261,12 @@ def _repeated_mask(masks: dict | None, mask: torch.Tensor, group: int) -> torch.
 
 
 def gather_sequence_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, contiguous_start: int = -1
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, contiguous_start: int = -1,
+    whole_blocks: bool = False,
 ) -> torch.Tensor:
-    """Return the first ``seq_len`` rows of a sequence's blocks as ``[seq_len, kv_heads, head_dim]``.
+    """Return the first ``seq_len`` rows of a sequence's blocks as ``[seq_len, kv_heads, head_dim]``
+    (with ``whole_blocks``, every row of the blocks holding them: a multiple of
+    the block size, the rows past ``seq_len`` as the pool has them).
 
     With ``contiguous_start >= 0`` the blocks are known to be consecutive from
     that block on, and the result is a view (no copy).
@@ -253,9 +275,10 @@ def gather_sequence_kv(
     n_blocks = (seq_len + block_size - 1) // block_size
     if contiguous_start >= 0:
         blocks = cache[contiguous_start : contiguous_start + n_blocks]
-        return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
-    blocks = cache.index_select(0, block_table[:n_blocks].long())
-    return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
+    else:
+        blocks = cache.index_select(0, block_table[:n_blocks].long())
+    rows = blocks.reshape(n_blocks * block_size, *cache.shape[2:])
+    return rows if whole_blocks else rows[:seq_len]
 
 
 def paged_attention_reference(
@@ -303,10 +326,11 @@ def paged_attention_reference(
     start = 0
     for i, (kv_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         run = contiguous_start[i] if contiguous_start is not None else -1
-        k = gather_sequence_kv(k_cache, block_tables[i], kv_len, run).transpose(0, 1)  # [kv_heads, L, D]
-        v = gather_sequence_kv(v_cache, block_tables[i], kv_len, run).transpose(0, 1)
-        if k.dtype != query.dtype:
-            k, v = k.to(query.dtype), v.to(query.dtype)
+        k_rows = gather_sequence_kv(k_cache, block_tables[i], kv_len, run, whole_blocks=True)
+        v_rows = gather_sequence_kv(v_cache, block_tables[i], kv_len, run, whole_blocks=True)
+        if k_rows.dtype != query.dtype:
+            k_rows, v_rows = k_rows.to(query.dtype), v_rows.to(query.dtype)
+        k, v = k_rows[:kv_len].transpose(0, 1), v_rows[:kv_len].transpose(0, 1)  # [kv_heads, L, D]
         # Rows before PRODUCTS_FROM_POSITION attend through SDPA, the rest by
         # products: which way a row attends depends on its position alone.
         cut = q_len if not products else max(0, min(q_len, PRODUCTS_FROM_POSITION - (kv_len - q_len)))
@@ -316,7 +340,11 @@ def paged_attention_reference(
                                                        v[None, :, :seen], scale, sliding_window, masks)
         if cut < q_len:
             n = q_len - cut
-            if n == 1:  # a decode row: written in place
+            if n == 1 and sliding_window is None and group <= KEYS_FIRST_MAX_ROWS:  # a decode row, in place
+                _product_decode(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
+                                math.frexp(scale)[0] == 0.5, masks, out[start + cut].view(kv_heads, group, 1, head_dim),
+                                (k_rows, v_rows))
+            elif n == 1:
                 product_attention(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
                                   sliding_window, masks, out=out[start + cut].view(kv_heads, group, 1, head_dim))
             else:
