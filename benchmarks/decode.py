@@ -37,6 +37,9 @@ from typing import Any
 from benchmarks.measure import write_json
 
 SYSTEMS = ("chatkv", "transformers-eager", "transformers-sdpa", "llama.cpp")
+#: Not in the default set: chatkv with ``cpu_attention="sdpa"`` (SDPA for every
+#: row, where a bfloat16 model otherwise attends long contexts by products).
+EXTRA_SYSTEMS = ("chatkv-sdpa",)
 WORDS = ("a returning conversation reads its keys and values back from the pool instead of computing "
          "them again while the new turn decodes one token at a time ").split()
 
@@ -65,11 +68,12 @@ def _worker(system: str, contexts: list[int], new_tokens: int, threads: int, dty
         ctx = LlamaCpp(default_gguf_path(), "f16", max(contexts) + new_tokens + 64, threads)
     else:
         loaded = load_model("default", dtype=dt)
-    if system == "chatkv":
+    if system.startswith("chatkv"):
         from chatkv import Chat, EngineConfig
         from chatkv.engine import Engine
 
-        engine = Engine(loaded, EngineConfig())  # one engine: one loop thread, one OpenMP pool
+        attention = "sdpa" if system == "chatkv-sdpa" else "auto"
+        engine = Engine(loaded, EngineConfig(cpu_attention=attention))  # one loop thread, one OpenMP pool
         engine.wait_warm()
     elif system.startswith("transformers"):
         from benchmarks.peers import HFModel
@@ -77,7 +81,7 @@ def _worker(system: str, contexts: list[int], new_tokens: int, threads: int, dty
         hf = HFModel(loaded.model)
         hf.model.set_attn_implementation(system.split("-")[1])
     for n in contexts:
-        if system == "chatkv":
+        if system.startswith("chatkv"):
             chat = Chat(f"d{n}", engine=engine, persist=False, max_new_tokens=new_tokens, ignore_eos=True)
             words = n * 3 // 4
             chat.send(_text(words), max_new_tokens=2)  # the history: prefilled, cached
@@ -117,7 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), float32 or bfloat16")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, of {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     p.add_argument("--busy", type=int, default=0,
                    help="run this many busy-looping processes meanwhile (a neighbour using a core)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -181,10 +186,10 @@ def _report(args: argparse.Namespace, contexts: list[int], runs: dict[str, list[
             ratio = f" ({med['chatkv'][n] / v:.2f}x)" if "chatkv" in med and s != "chatkv" else ""
             cells.append(f"{v:.1f}{ratio}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    if runs.get("chatkv") and runs["chatkv"][0].get("ttft"):
-        ttft = [statistics.median(r["ttft"][str(n)] if str(n) in r["ttft"] else r["ttft"][n] for r in runs["chatkv"])
+    for s in (s for s in runs if s.startswith("chatkv") and runs[s] and runs[s][0].get("ttft")):
+        ttft = [statistics.median(r["ttft"][str(n)] if str(n) in r["ttft"] else r["ttft"][n] for r in runs[s])
                 for n in contexts]
-        lines += ["", "chatkv's time to first token of that returning turn (its short message over the cached "
+        lines += ["", f"{s}'s time to first token of that returning turn (its short message over the cached "
                       "history): " + ", ".join(f"{t * 1e3:.1f} ms at {n} tok" for n, t in zip(contexts, ttft)) + "."]
     if "chatkv" in med and "transformers-eager" in med:
         worst = min(med["chatkv"][n] / med["transformers-eager"][n] for n in contexts)

@@ -163,15 +163,15 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     their probabilities are exact zeros and every row's value is the same bit
     for bit (tested). A zero times a non-finite value is not zero, so the
     extra values (slots no token has been written to yet, holding whatever
-    the pool's memory held) are checked first; where one is not finite, the
-    products run over ``L`` keys.
+    the pool's memory held) are checked first (:func:`_finite`); where one is
+    not finite, the products run over ``L`` keys.
     """
     kv_heads, group, _, head_dim = q.shape
     heads = kv_heads * group
     rows, values = k.transpose(0, 1), v.transpose(0, 1)  # [L, kv_heads, D]
     kv_len = rows.shape[0]
     if whole_blocks is not None and whole_blocks[0].shape[0] > kv_len and whole_blocks[0].is_contiguous() \
-            and whole_blocks[1].is_contiguous() and bool(torch.isfinite(whole_blocks[1][kv_len:]).all()):
+            and whole_blocks[1].is_contiguous() and _finite(whole_blocks[1][kv_len:]):
         rows, values = whole_blocks
     if rows.is_contiguous() and values.is_contiguous():
         key = ("decode blocks", kv_heads, group, head_dim, q.dtype, q.device)
@@ -208,6 +208,13 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return result.contiguous().view(kv_heads, group, 1, head_dim)
     out.view(kv_heads, group, head_dim).copy_(result)
     return out
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """Whether every element of ``values`` is finite (a float32 sum that is; one
+    that overflows says no, which only costs the caller its fast path). About
+    a sixth of ``isfinite().all()``'s time on a few rows here."""
+    return math.isfinite(float(torch.sum(values, dtype=torch.float32)))
 
 
 def causal_window_mask(
