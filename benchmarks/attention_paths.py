@@ -18,7 +18,9 @@ place it.
    median microseconds per layer.
 2. **A whole step.** One engine on the default model (bfloat16, compiled
    steps) runs a step of ``T`` tokens over ``L`` cached ones, its backend's
-   ``products`` switched step by step; median milliseconds.
+   ``products`` switched step by step; median milliseconds. Decode steps
+   (``T=1``) keep their token, so each runs over one key more than the last,
+   as a reply's do; longer steps are cut back to ``L`` after each.
 3. **Agreement** (``--agreement N``, 0 skips it). The products compute
    transformers' eager attention (``tests/test_attention.py`` checks it bit
    for bit), so the stock model in bfloat16 with ``eager`` attention stands
@@ -103,7 +105,13 @@ def step_ms(engine: Any, contexts: tuple[int, ...], tokens: tuple[int, ...], rep
                     for rep in range(2 * (repeats + 1)):
                         name = "products" if rep % 2 else "sdpa"
                         backend.products = name == "products"
-                        times[name].append(timed_step(runner, seq, _ids(rep, t, 3, vocab), context))
+                        # A decode step keeps its token, so the next one runs over one
+                        # key more, as in a reply (a new length costs oneDNN a new
+                        # kernel where the products have not padded it away); other
+                        # steps are cut back to the context.
+                        keep = context + rep + 1 if t == 1 else context
+                        times[name].append(timed_step(runner, seq, _ids(rep, t, 3, vocab), keep))
+                    runner.pool.truncate(seq, context)
                     result[context][t] = {n: statistics.median(v[1:]) * 1e3 for n, v in times.items()}
                 runner.pool.discard(seq)
         finally:
