@@ -70,6 +70,37 @@ COMPILE_ENV = "CHATKV_COMPILE"
 #: The stance compiled steps run under: a step whose guards fail runs the model
 #: as it is rather than compiling on the loop (tests set "fail_on_recompile").
 RUN_STANCE = "eager_on_recompile"
+def _merge_group_products() -> Any:
+    """Inductor's options for chatkv's graphs: a pass after its own that keeps
+    one ``chatkv::packed_linear_group`` call per input and weights. Each member
+    of a jointly packed product (:mod:`chatkv.prepack`: a layer's q, k and v
+    projections) calls that operator on the same input and weights and keeps
+    its own columns; Inductor does not always merge such calls itself (it
+    did for a bfloat16 model here, not for a float32 one), so without this
+    pass the product could run once per member."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import chatkv.prepack  # noqa: F401  (registers the operator)
+
+    class MergeGroupProducts(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            target = torch.ops.chatkv.packed_linear_group.default
+            first: dict[tuple, torch.fx.Node] = {}
+            for node in list(graph.nodes):
+                if node.op != "call_function" or node.target is not target:
+                    continue
+                key = (node.args[0], tuple(node.args[1]))
+                kept = first.setdefault(key, node)
+                if kept is not node:  # the same product, computed above
+                    node.replace_all_uses_with(kept)
+                    graph.erase_node(node)
+
+        def uuid(self) -> str:
+            return "chatkv-merge-group-products-1"  # in Inductor's cache keys
+
+    return {"post_grad_custom_post_pass": MergeGroupProducts()}
+
+
 #: Accepted ``EngineConfig.compile`` / ``$CHATKV_COMPILE`` spellings and what they mean.
 _CHOICES = {"auto": "auto", "on": True, "true": True, "1": True, "yes": True,
             "off": False, "false": False, "0": False, "no": False}
@@ -169,7 +200,7 @@ class DecodeGraphs:
         scratch pool shaped like ``pool_kv``), in the calling thread, one
         compile at a time in the process; returns how many are ready. Raises
         whatever compiling raises."""
-        fn = torch.compile(self.model, dynamic=False)
+        fn = torch.compile(self.model, dynamic=False, options=_merge_group_products())
         ready = set()
         with _COMPILE_LOCK:
             for b in self.batch_sizes:
@@ -240,7 +271,7 @@ class PrefillGraph:
         # Only the token count is symbolic: ``dynamic=True`` would make the model's
         # float attributes (the rotary scaling) symbolic too, which compiles
         # 3x slower and misses AOTAutograd's on-disk cache.
-        fn = torch.compile(self.model, dynamic=None)
+        fn = torch.compile(self.model, dynamic=None, options=_merge_group_products())
         with _COMPILE_LOCK:
             started = time.perf_counter()
             for i, tokens in enumerate(_PREFILL_TRACE_TOKENS):

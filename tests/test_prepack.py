@@ -97,3 +97,46 @@ def test_warming_row_counts_runs_each_linear_shape_once_per_count_and_changes_no
     assert warm_row_counts(model, rows, head_rows=1001) == 3 * len(shapes) + 2
     torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
     assert warm_row_counts(model, rows, head_rows=1001) == 0  # already warm in this process
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype, monkeypatch):
+    """q, k and v (and gate and up) of a layer are packed as one product: one
+    oneDNN call where there were three (two), each layer still returning its
+    own part, bit for bit; a member whose weight changed sends its group back
+    to one product per layer."""
+    from chatkv import prepack as module
+
+    model, _ = tiny_model("llama")
+    model = model.to(dtype)
+    stock = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    prepack(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj._chatkv_group is attn.v_proj._chatkv_group is not mlp.up_proj._chatkv_group
+    real = torch.ops.mkldnn._linear_pointwise.default
+    calls = []
+    monkeypatch.setattr(module, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    layers = model.config.num_hidden_layers
+    want = _logits(stock, ids)
+    got = _logits(model, ids)
+    assert len(calls) == 4 * layers + 1  # per layer qkv, o, gate-up, down; then the head
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        for m in (model, stock):
+            m.model.layers[1].self_attn.k_proj.weight.mul_(2)
+    calls.clear()
+    torch.testing.assert_close(_logits(model, ids), _logits(stock, ids), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 4 * layers  # layer 1's q, k and v by F.linear
+    assert prepack(model)  # packed again from the new weight
+    calls.clear()
+    torch.testing.assert_close(_logits(model, ids), _logits(stock, ids), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 4 * layers + 1
+    twin = copy.deepcopy(model)  # a copy multiplies layer by layer, unpacked
+    assert twin.model.layers[0].self_attn.q_proj._chatkv_group is None
+    torch.testing.assert_close(_logits(twin, ids), _logits(model, ids), atol=1e-5, rtol=1e-5)
+    assert unpack(model) and not hasattr(attn.q_proj, "_chatkv_group")
+
