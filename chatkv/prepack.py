@@ -10,9 +10,9 @@ halves the time of those products in bfloat16 on this project's Xeon (AMX),
 and speeds float32 prefill too; the results are the same to the last bit in
 bfloat16 and to rounding in float32.
 
-Projections of one input are also packed as one product: a layer's
-``q_proj``, ``k_proj`` and ``v_proj``, and its MLP's ``gate_proj`` and
-``up_proj`` (without biases). At one token a oneDNN call costs more than the
+Projections of one input are packed as one product instead (and not each
+on its own): a layer's ``q_proj``, ``k_proj`` and ``v_proj``, and its MLP's
+``gate_proj`` and ``up_proj`` (without biases). At one token a oneDNN call costs more than the
 bytes it reads: the three attention projections of SmolLM2 took 66 µs a
 layer as three calls and 25 µs as one here. The model's code is not
 changed: each member layer still returns its own part. Run as they are,
@@ -244,18 +244,24 @@ def prepack(model: Any) -> int:
     if why is not None:
         log.info("linear layers are not pre-packed: %s", why)
         return 0
+    grouped = _group_members(model)
+    in_group = {id(m) for members in grouped for m in members}
     with torch.inference_mode():
         for m in linears:
             key = _weight_key(m.weight)
             entry = _PACKED.get(m)
-            if entry is None or entry[0] != key:
+            if id(m) in in_group:  # its group's joint copy computes it: no copy of its own
+                if entry is not None:
+                    _BY_WEIGHT.pop(entry[0], None)
+                    del _PACKED[m]
+            elif entry is None or entry[0] != key:
                 if entry is not None:
                     _BY_WEIGHT.pop(entry[0], None)
                 _PACKED[m] = (key, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1))
                 _BY_WEIGHT[key] = _PACKED[m][1]
                 weakref.finalize(m, _BY_WEIGHT.pop, key, None)  # a freed weight's address is reused
             m.__class__ = PackedLinear
-        for members in _group_members(model):
+        for members in grouped:
             old = getattr(members[0], "_chatkv_group", None)
             if old is not None and old.current() and old.weights == [m.weight for m in members]:
                 continue
@@ -285,7 +291,12 @@ def warm_row_counts(model: Any, rows: range, head_rows: int) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     shapes: dict[tuple, PackedLinear] = {}
     for m in model.modules():
-        if isinstance(m, PackedLinear) and _PACKED.get(m) is not None:
+        if not isinstance(m, PackedLinear):
+            continue
+        group = getattr(m, "_chatkv_group", None)
+        if group is not None:  # a member runs its group's joint product
+            shapes.setdefault((m.in_features, sum(group.sizes), m.weight.dtype, False, False), m)
+        elif _PACKED.get(m) is not None:
             shapes.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is not None, m is head), m)
     calls = 0
     with torch.inference_mode():

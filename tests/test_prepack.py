@@ -87,8 +87,9 @@ def test_warming_row_counts_runs_each_linear_shape_once_per_count_and_changes_no
     prepack(model)
     want = _logits(model, ids)
     head = model.get_output_embeddings()
-    shapes = {(m.in_features, m.out_features) for m in model.modules()
-              if isinstance(m, PackedLinear) and m is not head}
+    # The shapes oneDNN runs: a layer packed with others (q, k and v; gate and up) runs their joint product.
+    shapes = {(m.in_features, sum(m._chatkv_group.sizes) if getattr(m, "_chatkv_group", None) else m.out_features)
+              for m in model.modules() if isinstance(m, PackedLinear) and m is not head}
     # Row counts no engine's warm-up runs: every other shape for each of 3, the
     # output projection (a shape of its own here) for the first 2.
     assert (head.in_features, head.out_features) not in shapes
@@ -114,6 +115,7 @@ def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype
     prepack(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj._chatkv_group is attn.v_proj._chatkv_group is not mlp.up_proj._chatkv_group
+    assert module._PACKED.get(attn.k_proj) is None and module._PACKED.get(attn.o_proj) is not None  # one copy each
     real = torch.ops.mkldnn._linear_pointwise.default
     calls = []
     monkeypatch.setattr(module, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
