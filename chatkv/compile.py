@@ -70,6 +70,8 @@ COMPILE_ENV = "CHATKV_COMPILE"
 #: The stance compiled steps run under: a step whose guards fail runs the model
 #: as it is rather than compiling on the loop (tests set "fail_on_recompile").
 RUN_STANCE = "eager_on_recompile"
+
+
 def _merge_group_products() -> Any:
     """Inductor's options for chatkv's graphs: a pass after its own that keeps
     one ``chatkv::packed_linear_group`` call per input and weights. Each member

@@ -149,9 +149,10 @@ class EngineConfig:
             matrix products, as transformers' eager attention computes, for
             every position from 1,024 on (there a returning turn's prefill
             step takes 0.7x to 0.85x its time through SDPA on this project's
-            CPU, a decode step up to 0.93x; earlier positions keep SDPA,
-            whose decode step is the cheaper there); ``"sdpa"`` through SDPA's flash kernel everywhere, whose
-            scores stay in float32 (:mod:`chatkv.attention.torch_backend`).
+            CPU, a decode step 0.75x to 0.91x from 1.5k tokens; earlier
+            positions keep SDPA, whose decode step is the cheaper there);
+            ``"sdpa"`` through SDPA's flash kernel everywhere, whose scores
+            stay in float32 (:mod:`chatkv.attention.torch_backend`).
         restore_policy: how a session that comes back from disk gets its KV:
             ``"auto"`` (None: ``$CHATKV_RESTORE_POLICY``, else auto) reads it
             back or lets the next turn recompute it, whichever the engine's

@@ -12,16 +12,18 @@ bfloat16 and to rounding in float32.
 
 Projections of one input are packed as one product instead (and not each
 on its own): a layer's ``q_proj``, ``k_proj`` and ``v_proj``, and its MLP's
-``gate_proj`` and ``up_proj`` (without biases). At one token a oneDNN call costs more than the
-bytes it reads: the three attention projections of SmolLM2 took 66 µs a
-layer as three calls and 25 µs as one here. The model's code is not
-changed: each member layer still returns its own part. Run as they are,
-the first member called computes the whole product and hands the others
-their parts when they are called with the same input; in a compiled graph
-each member calls one operator on all the members' weights
-(``chatkv::packed_linear_group``) and the graph's common-subexpression pass
-merges the calls into one. oneDNN computes each output column of the joint
-product as it does alone: the results are the same bit for bit (tested).
+``gate_proj`` and ``up_proj`` (without biases). At one token a oneDNN call
+costs more than the bytes it reads: the three attention projections of
+SmolLM2 took 66 µs a layer as three calls and 25 µs as one here. The
+model's code is not changed: each member layer still returns its own part.
+Run as they are, the first member called computes the whole product and
+hands the others their parts when they are called with the same input; in a
+compiled graph each member calls one operator on all the members' weights
+(``chatkv::packed_linear_group``) and a pass chatkv adds to Inductor's
+(:mod:`chatkv.compile`) keeps one call per input. oneDNN computes each
+output column of the joint product as it does alone: the results are the
+same bit for bit (tested). A member whose weight changed multiplies on its
+own, unpacked, until :func:`prepack` runs again.
 
 :func:`prepack` switches a model's ``nn.Linear`` modules to
 :class:`PackedLinear` (same parameters, plus the packed copy);
@@ -132,38 +134,39 @@ class _Group:
     product; each member keeps its own parameters and returns its own columns."""
 
     def __init__(self, members: list[nn.Linear]) -> None:
-        self.weights = [m.weight for m in members]
+        self.members = members
         self.sizes = [m.out_features for m in members]
-        self.key = tuple(_weight_key(w) for w in self.weights)
+        self.key = tuple(_weight_key(m.weight) for m in members)
         with torch.inference_mode():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in self.weights]), 1)
-        #: Run as they are: (the input, its parts not yet handed out, by member index).
-        self._pending: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+            joint = torch.cat([m.weight.detach() for m in members])
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(joint, 1)
+        #: Run as they are: (the input, its version, its parts not yet handed out, by member index).
+        self._pending: tuple[torch.Tensor, int, dict[int, torch.Tensor]] | None = None
 
     def current(self) -> bool:
-        """Whether no member's weight changed since it was packed."""
-        return self.key == tuple(_weight_key(w) for w in self.weights)
+        """Whether no member's weight changed (in place or replaced) since it was packed."""
+        return self.key == tuple(_weight_key(m.weight) for m in self.members)
 
     def member_forward(self, i: int, member: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """The output for ``x`` of ``member``, the ``i``-th: its columns of the joint product."""
         if torch.compiler.is_compiling():
             # Every member calls the same operator on the same inputs; the graph computes it once.
-            whole = _packed_group_op(x, self.weights)
+            whole = _packed_group_op(x, [m.weight for m in self.members])
             start = sum(self.sizes[:i])
             return whole.narrow(-1, start, self.sizes[i])
         pending = self._pending
-        if pending is not None and pending[0] is x and i in pending[1]:
-            part = pending[1].pop(i)
-            if not pending[1]:
+        if pending is not None and pending[0] is x and pending[1] == _version(x) and i in pending[2]:
+            part = pending[2].pop(i)
+            if not pending[2]:
                 self._pending = None
             return part
-        if (x.dtype != self.weights[0].dtype or x.device.type != "cpu" or torch.is_grad_enabled()
+        if (x.dtype != member.weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled()
                 or not self.current()):
             return F.linear(x, member.weight, member.bias)
         parts = list(_linear_pointwise(x, self.packed, None, "none", [], "").split(self.sizes, -1))
         # The others' parts wait for them, held with the input they belong to (an
-        # identity check: a new input, even at the same address, computes again).
-        self._pending = (x, {j: p for j, p in enumerate(parts) if j != i})
+        # identity and version check: a new or changed input computes again).
+        self._pending = (x, _version(x), {j: p for j, p in enumerate(parts) if j != i})
         return parts[i]
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -173,6 +176,11 @@ class _Group:
     def __reduce__(self) -> tuple:
         """Pickled as None, as copied: oneDNN's packed tensor cannot be pickled."""
         return (type(None), ())
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s in-place version (-1 for an inference tensor, which keeps none)."""
+    return -1 if x.is_inference() else x._version
 
 
 def _group_members(model: Any) -> list[list[nn.Linear]]:
@@ -263,7 +271,7 @@ def prepack(model: Any) -> int:
             m.__class__ = PackedLinear
         for members in grouped:
             old = getattr(members[0], "_chatkv_group", None)
-            if old is not None and old.current() and old.weights == [m.weight for m in members]:
+            if old is not None and old.current() and all(a is b for a, b in zip(old.members, members)):
                 continue
             group = _Group(members)
             if old is not None:

@@ -133,6 +133,10 @@ def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype
     calls.clear()
     torch.testing.assert_close(_logits(model, ids), _logits(stock, ids), atol=1e-5, rtol=1e-5)
     assert len(calls) == 4 * layers  # layer 1's q, k and v by F.linear
+    new = torch.randn_like(model.model.layers[0].mlp.up_proj.weight)
+    for m in (model, stock):  # a member's weight replaced, not changed in place
+        m.model.layers[0].mlp.up_proj.weight = nn.Parameter(new.clone())
+    torch.testing.assert_close(_logits(model, ids), _logits(stock, ids), atol=1e-5, rtol=1e-5)
     assert prepack(model)  # packed again from the new weight
     calls.clear()
     torch.testing.assert_close(_logits(model, ids), _logits(stock, ids), atol=1e-5, rtol=1e-5)

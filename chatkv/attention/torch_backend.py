@@ -29,7 +29,8 @@ CPU_ATTENTION_ENV = "CHATKV_CPU_ATTENTION"
 PRODUCTS_MAX_SCORES = 1 << 23
 #: Rows at this position and later attend by products; earlier ones through
 #: SDPA, whose one call costs less than the products' few below about 1k keys
-#: (a whole decode step over 500 keys: 0.97x the products', over 1k level).
+#: (a whole decode step over 500 keys: 1.04x as long by products, over 1k
+#: 1.07x, over 1.5k 0.91x; a returning turn's prefill gains from 500 on).
 PRODUCTS_FROM_POSITION = 1024
 #: Up to this many query rows per KV head, scores are computed as ``k @ q^T``
 #: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``.
@@ -61,7 +62,7 @@ def products_apply(query: torch.Tensor) -> bool:
     products (``brg_matmul``) run a chat turn's new message over 1k to 4k
     keys in about half SDPA's time. A decode step costs the products about
     six operator calls against SDPA's one: the whole step over 500 keys
-    1.03x SDPA's time, level at 1k, less beyond
+    1.04x SDPA's time, about level at 1k, less beyond
     (``python -m benchmarks.attention_paths``). Which way
     a row attends depends on its position alone, never on the step it is in
     (a turn prefilled in one step or in several, or decoded), and the
