@@ -74,6 +74,7 @@ def products_apply(query: torch.Tensor) -> bool:
 def product_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
     masks: dict | None = None, out: torch.Tensor | None = None,
+    whole_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[kv_heads, group, T, D]`` (the last ``T``
     positions) over ``k``/``v`` ``[kv_heads, L, D]`` as two matrix products.
@@ -91,9 +92,10 @@ def product_attention(
     up to the last key its rows may see; keys past a row's position only add
     zeros, so a row's result does not depend on the step it is in. ``masks``
     is where the step keeps its masks between layers (:func:`step_mask`).
-    A decode step's one row (no window) takes a path of its own with the
-    same operators and fewer calls around them, written straight into
-    ``out`` (a contiguous ``[kv_heads, group, 1, D]``) when given.
+    A decode step's one row (no window) over keys and values that are rows
+    of the pool takes a path of its own (:func:`_product_decode`, which
+    ``whole_blocks`` serves), written into ``out``
+    (``[kv_heads, group, 1, D]``, a view of the step's output) when given.
 
     Returns:
         ``[kv_heads, group, T, D]`` (``out`` when given).
@@ -101,8 +103,10 @@ def product_attention(
     kv_heads, group, q_len, head_dim = q.shape
     kv_len = k.shape[1]
     exact_scale = math.frexp(scale)[0] == 0.5
-    if q_len == 1 and sliding_window is None and group <= KEYS_FIRST_MAX_ROWS:
-        return _product_decode(q, k, v, scale, exact_scale, masks, out)
+    if q_len == 1 and sliding_window is None:
+        done = _product_decode(q, k, v, scale, exact_scale, masks, out, whole_blocks)
+        if done is not None:
+            return done
     offset = kv_len - q_len  # position of the first query
     if out is None:
         out = q.new_empty(q.shape)
@@ -136,7 +140,7 @@ def product_attention(
 
 def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, exact_scale: bool,
                     masks: dict | None, out: torch.Tensor | None,
-                    whole_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    whole_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """:func:`product_attention` of one row per query head over every key (a
     decode step without a window): the same products, softmax and roundings
     as the general path, so the same values bit for bit, in fewer operator
@@ -166,6 +170,10 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     extra values (slots no token has been written to yet, holding whatever
     the pool's memory held) are checked first (:func:`_finite`); where one is
     not finite, the products run over ``L`` keys.
+
+    Returns None, computing nothing, where ``k`` or ``v`` are not rows of
+    the pool (a ``[kv_heads, L, D]`` tensor of their own): the general path
+    then computes the same values.
     """
     kv_heads, group, _, head_dim = q.shape
     heads = kv_heads * group
@@ -174,37 +182,29 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if whole_blocks is not None and whole_blocks[0].shape[0] > kv_len and whole_blocks[0].is_contiguous() \
             and whole_blocks[1].is_contiguous() and _finite(whole_blocks[1][kv_len:]):
         rows, values = whole_blocks
-    if rows.is_contiguous() and values.is_contiguous():
-        key = ("decode blocks", kv_heads, group, head_dim, q.dtype, q.device)
-        blocks = masks.get(key) if masks is not None else None
-        if blocks is None:
-            blocks = q.new_zeros(kv_heads, group, kv_heads, head_dim)
-            if masks is not None:
-                masks[key] = blocks
-        # Head h's queries, scaled (exactly: a power of two) or not, into block (h, h).
-        diagonal = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [kv_heads, group, D]
-        qc = q.view(kv_heads, group, head_dim)
-        if exact_scale:
-            torch.mul(qc, scale, out=diagonal)
-        else:
-            diagonal.copy_(qc)
-        scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L']
-        if not exact_scale:
-            scores = scores * scale
-        if rows.shape[0] > kv_len:
-            scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-        full = torch.mm(probs, values.view(values.shape[0], -1)).view(kv_heads, group, kv_heads, head_dim)
-        result = full.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # each row's own head: [kv_heads, group, D]
+    if not (rows.is_contiguous() and values.is_contiguous()):
+        return None
+    key = ("decode blocks", kv_heads, group, head_dim, q.dtype, q.device)
+    blocks = masks.get(key) if masks is not None else None
+    if blocks is None:
+        blocks = q.new_zeros(kv_heads, group, kv_heads, head_dim)
+        if masks is not None:
+            masks[key] = blocks
+    # Head h's queries, scaled (exactly: a power of two) or not, into block (h, h).
+    diagonal = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [kv_heads, group, D]
+    qc = q.view(kv_heads, group, head_dim)
+    if exact_scale:
+        torch.mul(qc, scale, out=diagonal)
     else:
-        qc = q.view(kv_heads, group, head_dim)
-        if exact_scale:
-            qc = qc * scale
-        scores = torch.matmul(k, qc.transpose(1, 2)).transpose(1, 2)  # keys first, as the general path
-        if not exact_scale:
-            scores = scores * scale
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-        result = torch.matmul(probs, v)
+        diagonal.copy_(qc)
+    scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L']
+    if not exact_scale:
+        scores = scores * scale
+    if rows.shape[0] > kv_len:
+        scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+    full = torch.mm(probs, values.view(values.shape[0], -1)).view(kv_heads, group, kv_heads, head_dim)
+    result = full.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # each row's own head: [kv_heads, group, D]
     if out is None:
         return result.contiguous().view(kv_heads, group, 1, head_dim)
     out.view(kv_heads, group, head_dim).copy_(result)
@@ -348,13 +348,10 @@ def paged_attention_reference(
                                                        v[None, :, :seen], scale, sliding_window, masks)
         if cut < q_len:
             n = q_len - cut
-            if n == 1 and sliding_window is None and group <= KEYS_FIRST_MAX_ROWS:  # a decode row, in place
-                _product_decode(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
-                                math.frexp(scale)[0] == 0.5, masks, out[start + cut].view(kv_heads, group, 1, head_dim),
-                                (k_rows, v_rows))
-            elif n == 1:
+            if n == 1:  # a decode row, written in place
                 product_attention(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
-                                  sliding_window, masks, out=out[start + cut].view(kv_heads, group, 1, head_dim))
+                                  sliding_window, masks, out=out[start + cut].view(kv_heads, group, 1, head_dim),
+                                  whole_blocks=(k_rows, v_rows))
             else:
                 q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
                 o = product_attention(q, k, v, scale, sliding_window, masks)
