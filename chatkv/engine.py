@@ -47,7 +47,7 @@ from chatkv.hardware import parse_dtype, resolve_dtype
 from chatkv.models import LoadedModel, encode_chat, load_model
 from chatkv.persistence import start_restore_readers
 from chatkv.prepack import warm_row_counts
-from chatkv.runner import ModelRunner
+from chatkv.runner import ModelRunner, forwards_in_process
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
 from chatkv.stats import TurnStats
@@ -268,9 +268,10 @@ class Engine:
 
     def _compile_when_idle(self, what: str, build: Callable[[], T]) -> "T | None":
         """Run ``build`` (a compile) in this thread once the engine is idle,
-        up to :data:`COMPILE_ATTEMPTS` times where it fails while a turn ran
-        beside it; returns its result, or None when the engine closed first.
-        Raises the last failure."""
+        up to :data:`COMPILE_ATTEMPTS` times where it fails while a model ran
+        beside it (this engine's or another's in the process:
+        :func:`chatkv.runner.forwards_in_process`); returns its result, or
+        None when the engine closed first. Raises the last failure."""
         for attempt in range(1, COMPILE_ATTEMPTS + 1):
             # Dynamo holds the GIL for most of a compile, and a turn's steps beside
             # it ran about 4x slower: start between turns (a turn that arrives
@@ -280,11 +281,11 @@ class Engine:
             if self.scheduler.closed:
                 return None
             started = time.perf_counter()
-            forwards = self.runner.forward_calls
+            forwards = forwards_in_process()  # this engine's steps or another's: both race with the trace
             try:
                 result = build()
             except Exception:
-                if self.runner.forward_calls == forwards or attempt == COMPILE_ATTEMPTS:
+                if forwards_in_process() == forwards or attempt == COMPILE_ATTEMPTS:
                     raise
                 log.warning("compiling %s failed while the model ran beside it (attempt %d of %d); trying "
                             "again when the engine is idle", what, attempt, COMPILE_ATTEMPTS, exc_info=True)

@@ -25,6 +25,20 @@ from chatkv.sequence import Sequence
 from chatkv.threads import in_passing_thread
 
 
+#: :meth:`ModelRunner.forward` calls of every runner in the process, in a list
+#: (one element) so that runners in any thread add to it.
+_FORWARDS_IN_PROCESS = [0]
+
+
+def forwards_in_process() -> int:
+    """How many steps the :class:`ModelRunner` objects of this process have
+    started so far. A compile in one thread races with a model run eagerly in
+    another, whichever engine's model it is (transformers' kernel wrappers
+    keep process-wide state while Dynamo traces), so an engine compares this
+    count before and after a failed compile to decide whether to try again."""
+    return _FORWARDS_IN_PROCESS[0]
+
+
 @dataclass
 class StepInput:
     """One sequence's share of a packed step: ``tokens`` are appended after
@@ -194,6 +208,7 @@ class ModelRunner:
             with ``all_logits``.
         """
         self.forward_calls += 1
+        _FORWARDS_IN_PROCESS[0] += 1
         new = sum(len(item.tokens) for item in batch)
         timed = self.costs is not None and new >= MIN_PREFILL_TOKENS
         context = sum(item.seq.num_computed for item in batch) if timed else 0  # cached before this step

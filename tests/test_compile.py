@@ -201,6 +201,34 @@ def test_a_compile_that_fails_while_a_turn_runs_beside_it_is_tried_again(
     engine.close()
 
 
+@needs_inductor
+def test_a_compile_that_fails_while_another_engine_runs_a_turn_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The race of the test above does not care whose model runs: a turn on a
+    # second engine in the process breaks the first engine's trace as well.
+    other = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="off"))
+    other.wait_warm(timeout=600)
+    real = DecodeGraphs.build
+    attempts: list[int] = []
+
+    def racing(self: DecodeGraphs, pool_kv: torch.Tensor, backend: object) -> int:
+        attempts.append(1)
+        if len(attempts) == 1:
+            assert Chat("beside", engine=other, persist=False, max_new_tokens=3).send("hi") is not None
+            raise AssertionError("Guard failed on the same frame it was created")
+        return real(self, pool_kv, backend)
+
+    monkeypatch.setattr(DecodeGraphs, "build", racing)
+    with caplog.at_level(logging.WARNING, logger="chatkv.engine"):
+        engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=128, block_size=4, compile="on",
+                                                               compile_batch_sizes=(1,)))
+        assert engine.compiled.result(timeout=600) == 1
+    assert len(attempts) == 2 and engine.runner.decode_graphs is not None
+    assert any("attempt 1 of 3" in r.message for r in caplog.records)
+    engine.close()
+    other.close()
+
+
 def test_a_compile_that_fails_with_nothing_beside_it_is_not_tried_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
