@@ -104,6 +104,41 @@ def test_compiled_decode_steps_compute_what_the_model_does(monkeypatch: pytest.M
 
 
 @needs_inductor
+def test_two_compiled_engines_on_models_of_one_class_each_compute_their_own() -> None:
+    # The graphs keep no guards on the model's modules (chatkv.compile), so each
+    # must be compiled from a function of its own: were the second engine's
+    # steps to run the first's graph, they would use the first model's norm
+    # epsilon, which the graph holds as a constant.
+    first, second = load_model("tiny:llama"), load_model("tiny:llama")
+    for module in second.model.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    prompt = [(7 * i) % 300 + 3 for i in range(37)]
+    tokens = [(5 * i) % 300 + 3 for i in range(8)]
+    config = dict(num_blocks=256, block_size=4, compile_batch_sizes=(1,))
+    engines = []
+    for loaded in (first, second):  # one compiles while the other idles (see the test below)
+        engines.append(Engine(loaded, EngineConfig(compile="on", **config)))
+        assert engines[-1].wait_warm(timeout=600) > 0 and engines[-1].compiled.result() == 1
+    before = [engine.runner.compiled_steps for engine in engines]
+    got = [_decode_logits(engine, prompt, tokens) for engine in engines]  # both engines alive, in turn
+    got += [_decode_logits(engine, prompt, tokens) for engine in reversed(engines)][::-1]
+    for engine, steps in zip(engines, before):
+        assert engine.runner.compiled_steps - steps == 2 * len(tokens)  # every decode step ran compiled
+        engine.close()
+    want = []
+    for loaded in (first, second):
+        plain = Engine(loaded, EngineConfig(compile="off", **config))
+        plain.wait_warm(timeout=600)
+        want.append(_decode_logits(plain, prompt, tokens))
+        plain.close()
+    assert not torch.allclose(want[0][0], want[1][0], atol=1e-2)  # the epsilon matters
+    for i, steps in enumerate(got):
+        for step, (g, w) in enumerate(zip(steps, want[i % 2])):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"engine {i % 2} step {step}: {m}")
+
+
+@needs_inductor
 def test_smaller_decode_batches_run_padded_through_a_larger_graph() -> None:
     loaded = load_model("tiny:llama")
     blocks = 256
