@@ -1,12 +1,15 @@
 """Turning the results of :mod:`benchmarks.run` into ``report.md`` and PNG plots.
 
 Every figure is a median over all samples of a bin (each point of the bin times
-each repeat), shown with its min and max; ratios are medians over medians.
+each repeat), shown with its min and max; ratios are medians over medians,
+except the restart goals' (:func:`restart_goals`), judged on ratios paired by
+repeat with an interval around their median.
 Speed-ups read "how many times faster than": ``baseline TTFT / system TTFT``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -30,6 +33,45 @@ def stats(values: Iterable[float]) -> Stats | None:
     """``(min, median, max)`` of ``values``, or None when empty."""
     v = [x for x in values if x is not None]
     return (min(v), statistics.median(v), max(v)) if v else None
+
+
+#: The coverage asked of :func:`median_interval` for the goals' verdicts.
+CONFIDENCE = 0.9
+Interval = tuple[float, float, float, float]  # low, median, high, coverage
+
+
+def median_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> Interval | None:
+    """``(low, median, high, coverage)``: the median of ``values`` and an
+    interval that holds the true median with probability at least
+    ``coverage`` whatever the distribution (the sign test's: order statistics
+    ``k`` and ``n + 1 - k`` for the largest ``k`` with ``P(Binomial(n, 1/2) < k)
+    <= (1 - confidence) / 2``). With too few values for ``confidence`` (fewer
+    than 5 at 0.9) the interval is the whole range and ``coverage`` says what
+    it holds. None when ``values`` is empty.
+    """
+    v = sorted(x for x in values if x is not None)
+    n = len(v)
+    if not n:
+        return None
+
+    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k)
+        return sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) / 2 and below(k + 1) <= (1 - confidence) / 2:
+        k += 1
+    return v[k - 1], statistics.median(v), v[n - k], 1 - 2 * below(k)
+
+
+def verdict(interval: Interval | None, limit: float) -> bool | str | None:
+    """A goal of "at most ``limit``" against :func:`median_interval`'s result:
+    True (met: the whole interval is at or below it), False (not met: the
+    whole interval is above it), ``"undecided"`` (the interval holds the
+    limit: these samples cannot tell), None (not measured)."""
+    if interval is None:
+        return None
+    low, _, high, _ = interval
+    return True if high <= limit else (False if low > limit else "undecided")
 
 
 class Results:
@@ -280,10 +322,11 @@ def throughput_section(r: Results) -> list[str]:
     return lines + [""]
 
 
-def goals(r: Results) -> list[tuple[str, bool | None, str]]:
-    """The issue's goals as ``(goal, met, measured)``; ``met`` is None when not measurable."""
+def goals(r: Results) -> list[tuple[str, bool | str | None, str]]:
+    """The issue's goals as ``(goal, met, measured)``; ``met`` is None when not
+    measurable, ``"undecided"`` where the samples cannot tell (:func:`verdict`)."""
     b = r.goal_bin
-    out: list[tuple[str, bool | None, str]] = []
+    out: list[tuple[str, bool | str | None, str]] = []
 
     def sp(a: str, c: str) -> float | None:
         return r.speedup(a, c, b)
@@ -320,41 +363,56 @@ def goals(r: Results) -> list[tuple[str, bool | None, str]]:
     return out + restart_goals(r)
 
 
-def restart_goals(r: Results) -> list[tuple[str, bool | None, str]]:
+def restart_goals(r: Results) -> list[tuple[str, bool | str | None, str]]:
     """The performance issue's goals for a session resumed from disk by a fresh
     process (model loaded, no turn yet), at every history length: time to first
     token at most 0.8x transformers' hand-made safetensors resume and at most
     its ``DynamicCache`` kept in RAM, and at most 1.1x the next turn of the same
-    shape in the same process."""
-    out: list[tuple[str, bool | None, str]] = []
+    shape in the same process.
 
-    def per_bin(goal: str, ratio: Callable[[str], float | None], limit: float) -> None:
-        got = [(b, x) for b in r.bins if (x := ratio(b)) is not None]
-        out.append((goal, all(x <= limit for _, x in got) if got else None,
-                    ", ".join(f"{x:.2f}x at {b}" for b, x in got) or "not measured"))
+    Each is judged on ratios paired within a repeat (the restart's turn over the
+    peer's turn of the same history in the same repeat, which ran minutes apart
+    at most; the first turn over the next one of the same process), by the
+    median of those ratios and the interval :func:`median_interval` gives it
+    (:func:`verdict`): on a machine whose turns spread by a third, a goal is
+    met or missed only where the whole interval says so."""
+    out: list[tuple[str, bool | str | None, str]] = []
 
-    def ratio(b: str, num: Callable[[dict[str, Any]], float | None], system: str,
-              den: Callable[[dict[str, Any]], float | None]) -> float | None:
-        """Median of ``num`` over the restart samples of bin ``b`` / median of ``den`` over ``system``'s."""
-        a, c = stats(r.values(RESTART, b, num)), stats(r.values(system, b, den))
-        return a[1] / c[1] if a and c and c[1] > 0 else None
+    def per_bin(goal: str, ratios: Callable[[str], list[float]], limit: float) -> None:
+        got = [(b, iv) for b in r.bins if (iv := median_interval(ratios(b))) is not None]
+        verdicts = [verdict(iv, limit) for _, iv in got]
+        met: bool | str | None = (None if not got else False if False in verdicts
+                                  else True if all(v is True for v in verdicts) else "undecided")
+        cover = min(iv[3] for _, iv in got) if got else 0.0
+        out.append((f"{goal} (median of paired ratios; interval covering {cover:.0%})", met,
+                    ", ".join(f"{iv[1]:.2f}x ({iv[0]:.2f}–{iv[2]:.2f}) at {b}" for b, iv in got) or "not measured"))
 
-    ttft = lambda s: s["ttft_s"]  # noqa: E731
+    def against(system: str) -> Callable[[str], list[float]]:
+        def ratios(b: str) -> list[float]:
+            peer = {(s["point"], s["repeat"]): s["ttft_s"] for s in r.by.get((system, b), [])}
+            return [s["ttft_s"] / peer[key] for s in r.by.get((RESTART, b), [])
+                    if peer.get(key := (s["point"], s["repeat"]))]
+        return ratios
+
+    def first_over_next(b: str) -> list[float]:
+        return [s["ttft_s"] / s["extra"]["next_ttft_s"] for s in r.by.get((RESTART, b), [])
+                if s["extra"].get("next_ttft_s")]
+
     per_bin("after a process restart: TTFT <= 0.8x transformers' hand-made resume, every length",
-            lambda b: ratio(b, ttft, HF_RESUME, ttft), 0.8)
+            against(HF_RESUME), 0.8)
     per_bin("after a process restart: TTFT <= transformers' DynamicCache kept in RAM, every length",
-            lambda b: ratio(b, ttft, HF_HOT, ttft), 1.0)
-    per_bin("first turn of a fresh process <= 1.1x the next turn of the same shape",
-            lambda b: ratio(b, ttft, RESTART, lambda s: s["extra"].get("next_ttft_s")), 1.1)
+            against(HF_HOT), 1.0)
+    per_bin("first turn of a fresh process <= 1.1x the next turn of the same shape", first_over_next, 1.1)
     return out
 
 
-def goals_section(r: Results) -> list[str]:
-    """The goals table."""
+def goals_section(r: Results, rows: list[tuple[str, bool | str | None, str]] | None = None) -> list[str]:
+    """The goals table: of ``rows``, or of all of :func:`goals`."""
     lines = ["## Goals", "", "| goal | verdict | measured |", "| --- | --- | --- |"]
-    for goal, met, measured in goals(r):
-        verdict = "not measured" if met is None else ("met" if met else "**NOT met**")
-        lines.append(f"| {goal} | {verdict} | {measured} |")
+    for goal, met, measured in goals(r) if rows is None else rows:
+        said = ("not measured" if met is None else "undecided: the interval holds the limit"
+                if met == "undecided" else "met" if met else "**NOT met**")
+        lines.append(f"| {goal} | {said} | {measured} |")
     return lines + [""]
 
 

@@ -1,0 +1,66 @@
+"""The resume benchmark's verdicts (benchmarks/report.py): ratios paired by
+repeat, judged by the interval around their median, so that a noisy machine
+gives "undecided" rather than a verdict its samples cannot carry."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.report import HF_HOT, HF_RESUME, RESTART, Results, goals_section, median_interval, restart_goals
+
+
+def test_the_median_interval_takes_the_sign_tests_order_statistics() -> None:
+    assert median_interval([]) is None
+    assert median_interval([3.0, 1.0, 5.0, 2.0, 4.0]) == (1.0, 3.0, 5.0, pytest.approx(1 - 2 / 32))
+    low, mid, high, cover = median_interval(range(1, 11))
+    assert (low, mid, high) == (2, 5.5, 9) and cover == pytest.approx(1 - 2 * 11 / 1024)
+    low, _, high, cover = median_interval(range(1, 21))
+    assert (low, high) == (6, 15) and cover >= 0.9
+    low, _, high, cover = median_interval([1.0, 2.0, 3.0, 4.0])  # too few for 90%: the whole range
+    assert (low, high) == (1.0, 4.0) and cover == pytest.approx(0.875)
+
+
+def _results(restart: list[tuple[float, float]], resume: list[float], hot: list[float]) -> Results:
+    """One 1k history; per repeat the restart's (first, next) turns and each peer's turn, in seconds."""
+    def sample(system: str, repeat: int, ttft: float, **extra: float) -> dict:
+        return {"system": system, "point": "c0-1k", "bin": "1k", "history_tokens": 1000, "delta_tokens": 20,
+                "repeat": repeat, "ttft_s": ttft, "decode_tok_s": None, "tokens": [], "extra": extra}
+
+    samples = [sample(RESTART, i, first, next_ttft_s=nxt) for i, (first, nxt) in enumerate(restart)]
+    samples += [sample(HF_RESUME, i, t) for i, t in enumerate(resume)]
+    samples += [sample(HF_HOT, i, t) for i, t in enumerate(hot)]
+    return Results({"meta": {"bins": ["1k"]}, "systems": [RESTART, HF_RESUME, HF_HOT], "samples": samples})
+
+
+def test_restart_goals_pair_turns_by_repeat_and_say_undecided_where_the_interval_holds_the_limit() -> None:
+    # The machine slows down for two repeats; every system with it.
+    resume = [0.100, 0.100, 0.100, 0.400, 0.400]
+    restart = [(0.070, 0.068), (0.070, 0.069), (0.070, 0.070), (0.310, 0.300), (0.310, 0.305)]
+    hot = [0.080, 0.080, 0.080, 0.200, 0.200]
+    r = _results(restart, resume, hot)
+    by_goal = {goal.split(" (median")[0]: (met, measured) for goal, met, measured in restart_goals(r)}
+    # Paired: 0.70, 0.70, 0.70, 0.775, 0.775: met (all below 0.8), although
+    # two repeats' restart turns are slower than three of the peer's.
+    met, measured = by_goal["after a process restart: TTFT <= 0.8x transformers' hand-made resume, every length"]
+    assert met is True and measured == "0.70x (0.70–0.77) at 1k"
+    # Paired: 0.875 three times, 1.55 twice: the interval holds 1.0.
+    met, measured = by_goal["after a process restart: TTFT <= transformers' DynamicCache kept in RAM, every length"]
+    assert met == "undecided" and measured == "0.88x (0.88–1.55) at 1k"
+    met, _ = by_goal["first turn of a fresh process <= 1.1x the next turn of the same shape"]
+    assert met is True
+    table = "\n".join(goals_section(r, restart_goals(r)))
+    assert "undecided: the interval holds the limit" in table and "interval covering 94%" in table
+
+
+def test_a_goal_is_not_met_where_the_whole_interval_is_above_it() -> None:
+    r = _results([(0.100, 0.050)] * 5, [0.100] * 5, [0.050] * 5)
+    verdicts = [met for _, met, _ in restart_goals(r)]
+    assert verdicts == [False, False, False]
+
+
+def test_unpaired_samples_are_left_out() -> None:
+    # The peer failed in repeats 3 and 4: only repeats 0 to 2 pair.
+    r = _results([(0.07, 0.07)] * 5, [0.1, 0.1, 0.1], [0.1] * 5)
+    _, _, measured = restart_goals(r)[0]
+    assert measured == "0.70x (0.70–0.70) at 1k"
+
