@@ -63,3 +63,49 @@ def test_warm_up_starts_the_restore_readers_once_per_process() -> None:
             assert len(readers()) == RESTORE_READERS
         finally:
             engine.close()
+
+
+_LONG_PREFILL_PROBE = """
+import json, resource, sys, torch
+from chatkv import EngineConfig
+from chatkv.engine import Engine
+from chatkv.models import load_model
+from chatkv.runner import StepInput
+from chatkv.sequence import Sequence
+if sys.argv[1] == "off":
+    Engine._warm_product_buffers = lambda self: None
+engine = Engine(load_model("tiny:llama", dtype=torch.bfloat16),
+                EngineConfig(num_blocks=1200, block_size=4, compile="off", cpu_attention="auto"))
+engine.wait_warm(timeout=300)
+def job():
+    runner = engine.runner
+    seq = Sequence(token_ids=[])
+    runner.write_placeholder_history(seq, [7 * i % 290 + 10 for i in range(4000)])
+    new = [3 * i % 290 + 10 for i in range(400)]
+    seq.token_ids.extend(new)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    runner.forward([StepInput(seq, new)])  # over 4,000 tokens: the products' chunks, about 8M scores
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    runner.pool.discard(seq)
+    return faults
+print(json.dumps({"faults": engine.call(job)}))
+engine.close()
+"""
+
+
+def test_the_warm_up_leaves_a_long_prefills_attention_buffers_in_the_process() -> None:
+    # A fresh process each way: what its allocators hold is the point.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _LONG_PREFILL_PROBE, mode], capture_output=True, text=True,
+                             check=True, env={**os.environ, "CHATKV_ADAPT_THREADS": "0"})
+        return json.loads(out.stdout.strip().splitlines()[-1])["faults"]
+
+    buffers = (8 << 20) * 4 // os.sysconf("SC_PAGE_SIZE")  # one chunk's float32 scores, in pages
+    warmed, cold = faults("on"), faults("off")
+    assert cold > buffers // 2, cold  # without it, the first long prefill writes fresh pages
+    assert warmed < cold // 4, (warmed, cold)  # with it, its attention's are there (its mask is not)
