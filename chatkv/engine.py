@@ -258,7 +258,7 @@ class Engine:
         for a long prefill's attention. Without it, the first 250-token turn
         over 3.6k tokens of a fresh process faulted in about 20,000 fresh
         pages and took 0.41 to 0.49 s against 0.34 to 0.45 s for the next turn;
-        with it, under 700 pages and 0.33 to 0.39 s (``/tmp`` probe, three
+        with it, 42 to 8,000 pages and 0.34 to 0.40 s (``/tmp`` probe, three
         fresh processes). The memory kept is about 100 MB."""
         kv = self.pool.kv  # [layers, 2, blocks, block size, KV heads, head dim]
         heads = getattr(self.runner.model.config, "num_attention_heads", None)

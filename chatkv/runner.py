@@ -80,8 +80,6 @@ class ModelRunner:
         self.prefill_graph: PrefillGraph | None = None
         #: Steps run through :attr:`prefill_graph` so far.
         self.compiled_prefills = 0
-        #: Calls of :meth:`forward` so far (compiled or not).
-        self.forward_calls = 0
         #: The pad rows' sequence and slot (:meth:`pad_step`), once a step needed them.
         self._pad: tuple[Sequence, int] | None = None
 
@@ -207,7 +205,6 @@ class ModelRunner:
             ``[len(batch), vocab]`` float32 logits, or ``[total new tokens, vocab]``
             with ``all_logits``.
         """
-        self.forward_calls += 1
         _FORWARDS_IN_PROCESS[0] += 1
         new = sum(len(item.tokens) for item in batch)
         timed = self.costs is not None and new >= MIN_PREFILL_TOKENS
