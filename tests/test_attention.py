@@ -284,6 +284,63 @@ def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_
     assert torch_backend.products_apply(q) and not torch_backend.products_apply(q.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_bit(head_dim, window, dtype,
+                                                                                    monkeypatch):
+    """A one-row decode step over consecutive blocks takes the backend's
+    shortcut (``decode_one``): the pool it leaves and the row it returns are
+    the general path's (write_kv, then forward) bit for bit, through SDPA
+    before PRODUCTS_FROM_POSITION and by products from there, at lengths on
+    and off block boundaries; it declines scattered blocks, windowed
+    products and steps of several rows."""
+    from chatkv.attention import _attend
+    from chatkv.attention.base import AttentionMetadata
+
+    monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 100)
+    torch.manual_seed(11)
+    layers, kv_heads, group, bs, first = 2, 3, 3, 16, 5
+    pool = torch.randn(layers, 2, 40, bs, kv_heads, head_dim, dtype=dtype)
+    pool[:, :, first + 12:] = float("nan")  # slots no token was written to: never read as values
+    backend = TorchBackend(products=True)
+
+    def meta(n: int, kv: torch.Tensor, run: int) -> AttentionMetadata:
+        blocks = -(-n // bs)
+        table = torch.arange(first, first + blocks, dtype=torch.int32)[None]
+        return AttentionMetadata(kv=kv, slot_mapping=torch.tensor([run * bs + n - 1]), block_tables=table,
+                                 seq_lens=torch.tensor([n], dtype=torch.int32),
+                                 cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_list=[n],
+                                 query_lens_list=[1], max_query_len=1, backend=backend,
+                                 extras={"contiguous_start": [run]})
+
+    for n in [1, 16, 17, 99, 100, 101, 160, 177]:  # SDPA up to position 99, products from 100
+        q = torch.randn(1, kv_heads * group, 1, head_dim, dtype=dtype)
+        k = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
+        v = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
+        scale = head_dim ** -0.5
+        for layer in range(layers):
+            fast_pool, slow_pool = pool.clone(), pool.clone()
+            m = meta(n, fast_pool, first)
+            shortcut = (window is None or n - 1 < 100 or dtype is torch.float32)
+            got = backend.decode_one(m, layer, q, k, v, scale, window)
+            assert (got is not None) == shortcut, n
+            if got is None:
+                assert torch.equal(fast_pool.nan_to_num(), pool.nan_to_num())  # nothing written
+                got = _attend(m, layer, q, k, v, scale, window)
+            general = meta(n, slow_pool, first)
+            general.max_query_len = 2  # not a decode row to _attend: the general path
+            want = _attend(general, layer, q, k, v, scale, window)
+            assert torch.equal(got, want), (n, layer)
+            assert torch.equal(fast_pool.nan_to_num(), slow_pool.nan_to_num()), (n, layer)
+        pool = fast_pool
+    q = torch.randn(1, kv_heads * group, 1, head_dim, dtype=dtype)
+    k = v = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
+    assert backend.decode_one(meta(20, pool, -1), 0, q, k, v, 0.125, None) is None  # blocks not consecutive
+    two = torch.randn(1, kv_heads * group, 2, head_dim, dtype=dtype)
+    assert backend.decode_one(meta(20, pool, first), 0, two, k, v, 0.125, None) is None  # two rows
+
+
 def test_engine_setting_and_environment_choose_the_cpu_attention(monkeypatch):
     from chatkv.attention import get_backend
     from chatkv.config import EngineConfig

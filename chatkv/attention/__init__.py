@@ -76,10 +76,14 @@ def _attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch
             value: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Write one layer's new K/V into the pool, attend; ``[1, T, q_heads, D]``."""
     assert query.shape[0] == 1, "chatkv packs sequences along the token axis (batch dim 1)"
+    backend = meta.backend or TorchBackend()
+    if meta.max_query_len == 1 and len(meta.query_lens_list) == 1:  # one decode row: fewer operator calls
+        out = backend.decode_one(meta, layer, query, key, value, scale, sliding_window)
+        if out is not None:
+            return out
     k_cache, v_cache = meta.kv[layer, 0], meta.kv[layer, 1]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
-    backend = meta.backend or TorchBackend()
     return backend.forward(q, k_cache, v_cache, meta, scale, sliding_window).unsqueeze(0)
 
 

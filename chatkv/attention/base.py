@@ -91,6 +91,25 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
+    def decode_one(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor | None:
+        """A shortcut for a step of one decode row: write layer ``layer``'s new
+        key and value (``[1, kv_heads, 1, head_dim]``) into the pool and attend
+        ``query`` (``[1, q_heads, 1, head_dim]``), returning ``[1, 1, q_heads,
+        head_dim]`` exactly as writing them (:func:`write_kv`) and calling
+        :meth:`forward` would; or None, having written nothing, where the
+        backend has no such shortcut or it does not apply to ``meta`` (the
+        caller then takes the general path). This base class has none."""
+        return None
+
 
 def write_kv(
     k_cache: torch.Tensor,
