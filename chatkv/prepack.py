@@ -43,6 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from chatkv.ops import define
+
 log = logging.getLogger(__name__)
 
 #: dtypes whose linears are packed.
@@ -92,35 +94,39 @@ _BY_WEIGHT: "dict[tuple[int, int], torch.Tensor]" = {}
 _WARMED: set[tuple] = set()
 
 
-@torch.library.custom_op("chatkv::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a compiled graph: through oneDNN with the
-    packed copy of ``weight`` when :func:`prepack` made one and it is current."""
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a compiled graph (``chatkv::packed_linear``):
+    through oneDNN with the packed copy of ``weight`` when :func:`prepack` made
+    one and it is current."""
     packed = _BY_WEIGHT.get(_weight_key(weight))
     if packed is None or packed.shape != weight.shape or x.dtype != weight.dtype or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("chatkv::packed_linear_group", mutates_args=())
-def _packed_group_op(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+def _packed_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """``x`` times every one of ``weights`` (no biases), the outputs side by side
-    along the last dimension: one oneDNN product with the packed joint copy
-    when :func:`prepack` made one and every weight is current."""
+    along the last dimension (``chatkv::packed_linear_group``): one oneDNN
+    product with the packed joint copy when :func:`prepack` made one and every
+    weight is current."""
     packed = _BY_GROUP.get(tuple(_weight_key(w) for w in weights))
     if packed is None or x.dtype != weights[0].dtype or x.device.type != "cpu":
         return torch.cat([F.linear(x, w) for w in weights], -1)
     return _linear_pointwise(x, packed, None, "none", [], "")
 
 
-@_packed_group_op.register_fake
-def _(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+def _packed_group_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+
+_packed_linear_op = define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                           _packed_linear, _packed_linear_fake)
+_packed_group_op = define("packed_linear_group(Tensor x, Tensor[] weights) -> Tensor",
+                          _packed_group, _packed_group_fake)
 
 
 #: The members' weight keys -> their joint packed weight, for the compiled path.

@@ -22,6 +22,7 @@ import torch
 
 from chatkv.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from chatkv.attention.torch_backend import TorchBackend
+from chatkv.ops import define
 
 ATTN_IMPLEMENTATION = "chatkv_paged"
 
@@ -52,13 +53,12 @@ def step_metadata(meta: AttentionMetadata) -> Iterator[None]:
         _STEP.meta = previous
 
 
-@torch.library.custom_op("chatkv::paged_attention", mutates_args=())
-def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
-    """One layer's paged attention as an operator ``torch.compile`` leaves opaque:
-    writes the step's keys and values into the pool and attends, with the
-    metadata of :func:`step_metadata` (``sliding_window`` 0: none). Returns
-    ``[1, T, q_heads, D]``."""
+def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
+    """One layer's paged attention as an operator ``torch.compile`` leaves opaque
+    (``chatkv::paged_attention``): writes the step's keys and values into the
+    pool and attends, with the metadata of :func:`step_metadata`
+    (``sliding_window`` 0: none). Returns ``[1, T, q_heads, D]``."""
     meta: AttentionMetadata | None = getattr(_STEP, "meta", None)
     if meta is None:
         raise RuntimeError("chatkv::paged_attention ran outside step_metadata(); "
@@ -66,10 +66,13 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return _attend(meta, layer, query, key, value, scaling, sliding_window or None)
 
 
-@_paged_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-      layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
+def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          layer: int, scaling: float, sliding_window: int) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+_paged_attention_op = define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, "
+                             "int sliding_window) -> Tensor", _paged_attention, _paged_attention_fake)
 
 
 def _attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor,
