@@ -64,3 +64,26 @@ def test_unpaired_samples_are_left_out() -> None:
     _, _, measured = restart_goals(r)[0]
     assert measured == "0.70x (0.70–0.70) at 1k"
 
+
+
+def test_the_decode_goal_is_judged_on_ratios_paired_by_repeat() -> None:
+    """benchmarks.decode: chatkv's rate over eager's in the same repeat; a repeat
+    one of them lacks is left out; the verdict per context from the interval."""
+    from benchmarks.decode import decode_goal
+
+    def runs(rates: list[tuple[float, float]]) -> list[dict]:
+        return [{"repeat": i, "rates": {"1000": a, "2000": b}} for i, (a, b) in enumerate(rates)]
+
+    eager = runs([(30.0, 20.0)] * 5)
+    # 1k: 1.6x-1.8x in every repeat (met); 2k: 1.2x-1.9x around 1.5x (undecided).
+    chatkv = runs([(48.0, 24.0), (51.0, 38.0), (54.0, 30.0), (50.0, 36.0), (49.0, 26.0)])
+    lines = decode_goal(chatkv, eager, [1000, 2000])
+    assert "undecided." in lines[0]
+    assert "1000 tok: 1.67x (1.60-1.80, 94%) met" in lines[-1]
+    assert "2000 tok: 1.50x (1.20-1.90, 94%) undecided" in lines[-1]
+    slow = runs([(40.0, 20.0)] * 5)
+    assert "not met" in decode_goal(slow, eager, [1000, 2000])[0]
+    assert "1.33x (1.33-1.33" in decode_goal(slow, eager, [1000])[-1]
+    del chatkv[2]  # a failed chatkv process: its repeat's eager run has no partner and is left out
+    eager[2]["rates"]["1000"] = 1.0
+    assert "1000 tok: 1.65x (1.60-1.70, 88%) met" in decode_goal(chatkv, eager, [1000])[-1]
