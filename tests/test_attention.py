@@ -199,17 +199,25 @@ def _eager(q, k, v, scale, window):
 @pytest.mark.parametrize("head_dim", [64, 48])  # a power-of-two scale, and one that is not
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("max_scores", [1 << 23, 3000])  # one product, and rows cut into chunks
-def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, window, max_scores, monkeypatch):
+@pytest.mark.parametrize("t", [5, 21])  # scores as k @ q^T (15 rows a KV head), and as q @ k^T (63)
+@pytest.mark.parametrize("layout", ["heads", "pool rows"])  # [kv_heads, L, D] of their own, or the pool's view
+def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, window, max_scores, t, layout,
+                                                                  monkeypatch):
     monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
     torch.manual_seed(4)
-    kv_heads, group, t, n = 3, 3, 21, 300
+    kv_heads, group, n = 3, 3, 300
     q = torch.randn(kv_heads * group, t, head_dim, dtype=torch.bfloat16)
-    k = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
-    v = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
+    if layout == "heads":
+        k = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
+        v = torch.randn(kv_heads, n, head_dim, dtype=torch.bfloat16)
+    else:  # as the engine hands them over: [L, kv_heads, D] rows read per head
+        k = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16).transpose(0, 1)
+        v = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16).transpose(0, 1)
+    assert (group * t > torch_backend.KEYS_FIRST_MAX_ROWS) == (t == 21)
     scale = head_dim ** -0.5
     got = product_attention(q.view(kv_heads, group, t, head_dim), k, v, scale, window)
     got = got.reshape(kv_heads * group, t, head_dim)
-    want = _eager(q, k, v, scale, window)
+    want = _eager(q, k.contiguous(), v.contiguous(), scale, window)
     if window is None and max_scores > kv_heads * group * t * n:
         assert torch.equal(got, want)  # the same products over the same keys
     else:  # keys no row of a chunk sees are skipped: the same terms summed in a new order

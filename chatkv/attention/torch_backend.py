@@ -33,8 +33,12 @@ PRODUCTS_MAX_SCORES = 1 << 23
 #: 1.07x, over 1.5k 0.91x; a returning turn's prefill gains from 500 on).
 PRODUCTS_FROM_POSITION = 1024
 #: Up to this many query rows per KV head, scores are computed as ``k @ q^T``
-#: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``.
-KEYS_FIRST_MAX_ROWS = 72
+#: (faster with few rows: oneDNN packs the small operand), above as ``q @ k^T``
+#: one KV head at a time (:func:`_queries_first`). Whole SmolLM2 prefill steps
+#: alternating between the two (bf16, this project's AMD VM): keys first 0.93x
+#: to 0.99x the time at 2 and 4 tokens (6 and 12 rows), level to 1.21x at 8
+#: (24 rows), 1.07x to 1.20x at 21 tokens over 1.9k and 4.3k keys.
+KEYS_FIRST_MAX_ROWS = 18
 
 
 def resolve_cpu_attention(setting: str | None) -> str:
@@ -84,10 +88,11 @@ def product_attention(
     softmax in float32 rounded back, then ``@ v``. A power-of-two ``scale``
     (head dimension 64, 256, ...) is applied to the queries instead, which
     gives the same scores bit for bit. Each KV head's query heads are stacked
-    as rows (no repeated keys). With few rows (a decode step, a short
-    message) the scores are computed as ``k @ q^T`` and read transposed:
-    oneDNN then packs the small operand, not the keys, up to 2x faster, and
-    the values are the same (checked). Rows are cut into chunks of
+    as rows (no repeated keys). With few rows (:data:`KEYS_FIRST_MAX_ROWS`:
+    a message of a few tokens) the scores are computed as ``k @ q^T`` and
+    read transposed: oneDNN then packs the small operand, not the keys;
+    with more, as ``q @ k^T`` one KV head at a time (:func:`_queries_first`);
+    the values are the same either way (tested). Rows are cut into chunks of
     at most :data:`PRODUCTS_MAX_SCORES` scores, and a chunk multiplies only
     up to the last key its rows may see; keys past a row's position only add
     zeros, so a row's result does not depend on the step it is in. ``masks``
@@ -121,7 +126,7 @@ def product_attention(
         if group * n <= KEYS_FIRST_MAX_ROWS:  # the same values either way
             scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)
         else:
-            scores = torch.matmul(qc, k[:, :last].transpose(1, 2))  # [kv_heads, group*n, last]
+            scores = _queries_first(qc, k, last)  # [kv_heads, group*n, last]
         if not exact_scale:
             scores = scores * scale
         # The chunk's rows are the last n of `last` positions: the step's shared
@@ -136,6 +141,19 @@ def product_attention(
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
         out[:, :, t0:t1] = torch.matmul(probs, v[:, :last]).view(kv_heads, group, n, head_dim)
     return out
+
+
+def _queries_first(qc: torch.Tensor, k: torch.Tensor, last: int) -> torch.Tensor:
+    """``qc @ k[:, :last]^T`` (``[kv_heads, rows, D]`` by ``[kv_heads, L, D]``):
+    one product per KV head, each reading its keys transposed where they
+    are. A batched product over the pool's rows (``k`` a view of them)
+    first copies every head's keys transposed: about 100 µs a layer over
+    1.9k keys here, as long as the product itself. The same values bit for
+    bit (tested)."""
+    scores = qc.new_empty(qc.shape[0], qc.shape[1], last)
+    for h in range(qc.shape[0]):
+        torch.mm(qc[h], k[h, :last].t(), out=scores[h])
+    return scores
 
 
 #: Keys of the throwaway attention :func:`warm_product_buffers` runs.
@@ -462,12 +480,12 @@ class TorchBackend(AttentionBackend):
         :data:`PRODUCTS_FROM_POSITION` on) on views with the same strides, so
         the same values bit for bit (tested), in about a fifth of the operator
         calls: a decode step is one such row per layer, and the general path's
-        slicing, reshaping and copying cost about 30 µs a layer here, 1 ms of
-        a 17 ms step. None for anything else (nothing written)."""
+        slicing, reshaping and copying cost about 26 µs a layer here, 0.8 ms
+        of a 17 ms step. None for anything else (nothing written)."""
         runs = meta.extras.get("contiguous_start")
         run = runs[0] if runs else -1
         kv = meta.kv
-        if run < 0 or kv.dtype != query.dtype or query.shape[2] != 1:
+        if run < 0 or kv.dtype != query.dtype or key.dtype != kv.dtype or query.shape[2] != 1:
             return None
         _, _, _, block_size, kv_heads, head_dim = kv.shape
         q_heads = query.shape[1]
