@@ -122,6 +122,24 @@ def smollm2_reference(smollm2):
     return ref
 
 
+@pytest.fixture
+def linear_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """oneDNN's linear products (:mod:`chatkv.prepack`'s packed and joint
+    linears) run from now on, one entry each, from any thread: ``len()``
+    counts them, ``clear()`` starts again."""
+    from chatkv import prepack
+
+    real = torch.ops.mkldnn._linear_pointwise.default
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(prepack, "_linear_pointwise", counted)
+    return calls
+
+
 def stock_copy(model):
     """A deep copy of ``model`` using transformers' own SDPA attention (the reference)."""
     ref = copy.deepcopy(model)

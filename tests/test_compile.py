@@ -57,23 +57,8 @@ def _decode_logits(engine: Engine, prompt: list[int], tokens: list[int], batch: 
     return engine.call(job)
 
 
-def _count_linear_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count oneDNN's linear products from now on (one counter, in a list)."""
-    from chatkv import prepack
-
-    real = torch.ops.mkldnn._linear_pointwise.default
-    count = [0]
-
-    def counted(*args):
-        count[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(prepack, "_linear_pointwise", counted)
-    return count
-
-
 @needs_inductor
-def test_compiled_decode_steps_compute_what_the_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_decode_steps_compute_what_the_model_does(linear_products: list[int]) -> None:
     loaded = load_model("tiny:llama")
     compiled = Engine(loaded, EngineConfig(num_blocks=256, block_size=4, compile="on", compile_batch_sizes=(1,)))
     assert compiled.wait_warm(timeout=600) > 0
@@ -81,13 +66,13 @@ def test_compiled_decode_steps_compute_what_the_model_does(monkeypatch: pytest.M
     prompt = [(7 * i) % 300 + 3 for i in range(37)]
     tokens = [(5 * i) % 300 + 3 for i in range(12)]
     before = compiled.runner.compiled_steps
-    products = _count_linear_products(monkeypatch)
+    linear_products.clear()  # the warm-up's and the compile's products done
     got = _decode_logits(compiled, prompt, tokens)
     assert compiled.runner.compiled_steps - before == len(tokens)  # every decode step ran compiled
     if compiled.runner.packed_linears:
         # Per layer: q, k and v as one product, gate and up as one, o and down; then the head.
         layers = loaded.model.config.num_hidden_layers
-        assert products[0] == (1 + len(tokens)) * (4 * layers + 1)
+        assert len(linear_products) == (1 + len(tokens)) * (4 * layers + 1)
     two = _decode_logits(compiled, prompt, tokens, batch=2)  # no graph for 2 sequences: runs as it is
     assert compiled.runner.compiled_steps - before == len(tokens)
     compiled.close()

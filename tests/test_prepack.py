@@ -101,7 +101,7 @@ def test_warming_row_counts_runs_each_linear_shape_once_per_count_and_changes_no
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype, monkeypatch):
+def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype, linear_products):
     """q, k and v (and gate and up) of a layer are packed as one product: one
     oneDNN call where there were three (two), each layer still returning its
     own part, bit for bit; a member whose weight changed sends its group back
@@ -116,9 +116,7 @@ def test_projections_of_one_input_run_as_one_product_with_the_same_results(dtype
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj._chatkv_group is attn.v_proj._chatkv_group is not mlp.up_proj._chatkv_group
     assert module._PACKED.get(attn.k_proj) is None and module._PACKED.get(attn.o_proj) is not None  # one copy each
-    real = torch.ops.mkldnn._linear_pointwise.default
-    calls = []
-    monkeypatch.setattr(module, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    calls = linear_products
     layers = model.config.num_hidden_layers
     want = _logits(stock, ids)
     got = _logits(model, ids)
