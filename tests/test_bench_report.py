@@ -65,7 +65,6 @@ def test_unpaired_samples_are_left_out() -> None:
     assert measured == "0.70x (0.70–0.70) at 1k"
 
 
-
 def test_the_decode_goal_is_judged_on_ratios_paired_by_repeat() -> None:
     """benchmarks.decode: chatkv's rate over eager's in the same repeat; a repeat
     one of them lacks is left out; the verdict per context from the interval."""
