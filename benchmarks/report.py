@@ -63,15 +63,27 @@ def median_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> 
     return v[k - 1], statistics.median(v), v[n - k], 1 - 2 * below(k)
 
 
-def verdict(interval: Interval | None, limit: float) -> bool | str | None:
-    """A goal of "at most ``limit``" against :func:`median_interval`'s result:
-    True (met: the whole interval is at or below it), False (not met: the
-    whole interval is above it), ``"undecided"`` (the interval holds the
-    limit: these samples cannot tell), None (not measured)."""
+def verdict(interval: Interval | None, limit: float, at_least: bool = False) -> bool | str | None:
+    """A goal of "at most ``limit``" (with ``at_least``, "at least") against
+    :func:`median_interval`'s result: True (met: the whole interval is on the
+    goal's side of it), False (not met: the whole interval is beyond it),
+    ``"undecided"`` (the interval holds the limit: these samples cannot
+    tell), None (not measured)."""
     if interval is None:
         return None
     low, _, high, _ = interval
+    if at_least:
+        return True if low >= limit else (False if high < limit else "undecided")
     return True if high <= limit else (False if low > limit else "undecided")
+
+
+def combined(verdicts: list[bool | str | None]) -> bool | str | None:
+    """One goal's verdict over several lengths (:func:`verdict` each): not
+    measured if none was, not met if any is not, met if all are, otherwise
+    undecided."""
+    if not verdicts:
+        return None
+    return False if False in verdicts else True if all(v is True for v in verdicts) else "undecided"
 
 
 class Results:
@@ -380,9 +392,7 @@ def restart_goals(r: Results) -> list[tuple[str, bool | str | None, str]]:
 
     def per_bin(goal: str, ratios: Callable[[str], list[float]], limit: float) -> None:
         got = [(b, iv) for b in r.bins if (iv := median_interval(ratios(b))) is not None]
-        verdicts = [verdict(iv, limit) for _, iv in got]
-        met: bool | str | None = (None if not got else False if False in verdicts
-                                  else True if all(v is True for v in verdicts) else "undecided")
+        met = combined([verdict(iv, limit) for _, iv in got])
         cover = min(iv[3] for _, iv in got) if got else 0.0
         out.append((f"{goal} (median of paired ratios; interval covering {cover:.0%})", met,
                     ", ".join(f"{iv[1]:.2f}x ({iv[0]:.2f}–{iv[2]:.2f}) at {b}" for b, iv in got) or "not measured"))
