@@ -494,20 +494,22 @@ class TorchBackend(AttentionBackend):
         products = self.products and kv_len - 1 >= PRODUCTS_FROM_POSITION and products_apply(query)
         if products and sliding_window is not None:
             return None  # the general path's windowed products
-        k_flat = kv[layer, 0].view(-1, kv_heads, head_dim)
-        v_flat = kv[layer, 1].view(-1, kv_heads, head_dim)
+        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, key.reshape(1, kv_heads, head_dim))
         v_flat.index_copy_(0, meta.slot_mapping, value.reshape(1, kv_heads, head_dim))
-        first = run * block_size  # the sequence's first slot
         if not products:  # as _sdpa_attention's decode row
+            first = run * block_size  # the sequence's first slot
             lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
             size, row = (1, kv_heads, kv_len - lo, head_dim), kv_heads * head_dim
             k = k_flat.as_strided(size, (row, head_dim, row, 1), k_flat.storage_offset() + (first + lo) * row)
             v = v_flat.as_strided(size, (row, head_dim, row, 1), v_flat.storage_offset() + (first + lo) * row)
             o = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, head_dim), k, v, scale=scale)
             return o.reshape(1, 1, q_heads, head_dim)
-        end = first + -(-kv_len // block_size) * block_size
-        k_rows, v_rows = k_flat[first:end], v_flat[first:end]  # the sequence's whole blocks
+        table = meta.block_tables[0]
+        k_rows = gather_sequence_kv(k_cache, table, kv_len, run, whole_blocks=True)  # a view
+        v_rows = gather_sequence_kv(v_cache, table, kv_len, run, whole_blocks=True)
         o = product_attention(query.reshape(kv_heads, group, 1, head_dim), k_rows[:kv_len].transpose(0, 1),
                               v_rows[:kv_len].transpose(0, 1), scale, None, meta.extras.setdefault("masks", {}),
                               whole_blocks=(k_rows, v_rows))
