@@ -152,7 +152,11 @@ def test_restore_choice_reports_the_choice_its_reason_and_both_forced_times(tmp_
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows) and rows[0]["tokens"] >= 30
-    assert result["fits"]["prefill"][1] > 0 and result["fits"]["disk"][1] > 0  # both rates were measured
+    # Both costs were sampled. Their slopes are timings (a tiny model's disk slope
+    # can vanish in the noise), so only their shape is asserted.
+    for name in ("prefill", "disk"):
+        fixed, per_unit = result["fits"][name]
+        assert fixed >= 0 and per_unit >= 0 and fixed + per_unit > 0
     for r in rows:
         assert r["decision"] in ("restore", "recompute") and "predicted" in r["reason"]
         assert 0 < r["restore_s"] < r["ttft_s"]["restore"]  # the restore is part of the turn it serves
