@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from types import TracebackType
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -196,10 +196,29 @@ class Holder:
         return self.expires_at <= RELEASED_AT
 
 
+# The statements of taking and fencing a lease, built once over the table's
+# columns and run on the transaction's connection: the ORM's statement
+# construction, cache key and execution layers cost more than SQLite's own work
+# here (every open takes a lease; every write of a session checks it).
+_LEASES = LeaseRow.__table__
+_HOLDER = (select(_LEASES.c.owner, _LEASES.c.generation, _LEASES.c.expires_at)
+           .where(_LEASES.c.session_id == bindparam("sid")))
+#: The owner and expiry only: a read-only Store on an index older than the generation column asks this.
+_OWNER = select(_LEASES.c.owner, _LEASES.c.expires_at).where(_LEASES.c.session_id == bindparam("sid"))
+# (Parameters are not named after columns: an UPDATE reserves those names.)
+_HELD = (_LEASES.c.session_id == bindparam("sid"), _LEASES.c.owner == bindparam("holder"),
+         _LEASES.c.generation == bindparam("held_gen"))
+_TAKE = update(_LEASES).where(*_HELD).values(owner=bindparam("taker"), generation=bindparam("new_gen"),
+                                              acquired_at=bindparam("now"), renewed_at=bindparam("now"),
+                                              expires_at=bindparam("expires"))
+_FENCE = update(_LEASES).where(*_HELD).values(generation=_LEASES.c.generation)
+_RENEW = update(_LEASES).where(*_HELD).values(renewed_at=bindparam("now"), expires_at=bindparam("expires"))
+_RELEASE = update(_LEASES).where(*_HELD).values(expires_at=bindparam("released_at"))
+
+
 def read_holder(s: Session, session_id: str) -> Holder | None:
     """The lease row on ``session_id``, if any (whether live, expired or released)."""
-    row = s.execute(select(LeaseRow.owner, LeaseRow.generation, LeaseRow.expires_at)
-                    .where(LeaseRow.session_id == session_id)).first()
+    row = s.connection().execute(_HOLDER, {"sid": session_id}).first()
     return Holder(row[0], int(row[1] or 0), row[2]) if row is not None else None
 
 
@@ -215,7 +234,7 @@ def foreign_holder(s: Session, session_id: str, owner: str, now: datetime | None
     owner and expiry only (so a read-only Store on an older schema can ask);
     changes nothing. The returned holder's ``generation`` is 0 (not read).
     """
-    row = s.execute(select(LeaseRow.owner, LeaseRow.expires_at).where(LeaseRow.session_id == session_id)).first()
+    row = s.connection().execute(_OWNER, {"sid": session_id}).first()
     if row is None:
         return None
     h = Holder(row[0], 0, row[1])
@@ -271,11 +290,8 @@ def take_row(s: Session, session_id: str, h: Holder, owner: str, gen: int, now: 
              expires: datetime) -> int:
     """Give the lease row on ``session_id`` to ``owner`` with generation ``gen``,
     if it still has ``h``'s owner and generation; returns the rows changed (0 or 1)."""
-    res = s.execute(update(LeaseRow)
-                    .where(LeaseRow.session_id == session_id, LeaseRow.owner == h.owner,
-                           LeaseRow.generation == h.generation)
-                    .values(owner=owner, generation=gen, acquired_at=now, renewed_at=now, expires_at=expires)
-                    .execution_options(synchronize_session=False))
+    res = s.connection().execute(_TAKE, {"sid": session_id, "holder": h.owner, "held_gen": h.generation,
+                                          "taker": owner, "new_gen": gen, "now": now, "expires": expires})
     return int(res.rowcount)
 
 
@@ -300,11 +316,7 @@ def fence(s: Session, lease: "Lease") -> None:
     """
     if lease.lost:
         raise lease.lost_error()
-    res = s.execute(update(LeaseRow)
-                    .where(LeaseRow.session_id == lease.session_id, LeaseRow.owner == lease.owner,
-                           LeaseRow.generation == lease.generation)
-                    .values(generation=LeaseRow.generation)
-                    .execution_options(synchronize_session=False))
+    res = s.connection().execute(_FENCE, lease._held)
     if res.rowcount != 1:
         err = _lost_error(s, lease)
         lease._mark_lost(err)
@@ -368,6 +380,11 @@ class Lease(AbstractContextManager["Lease"]):
             self._thread.start()
 
     @property
+    def _held(self) -> dict[str, object]:
+        """The parameters of the statements conditional on holding this lease."""
+        return {"sid": self.session_id, "holder": self.owner, "held_gen": self.generation}
+
+    @property
     def released(self) -> bool:
         """True once :meth:`release` (or :meth:`detach`) ran."""
         return self._released.is_set()
@@ -417,11 +434,7 @@ class Lease(AbstractContextManager["Lease"]):
             now = self._clock()
             expires = now + timedelta(seconds=self.ttl_s)
             with self._factory() as s, s.begin():
-                res = s.execute(update(LeaseRow)
-                                .where(LeaseRow.session_id == self.session_id, LeaseRow.owner == self.owner,
-                                       LeaseRow.generation == self.generation)
-                                .values(renewed_at=now, expires_at=expires)
-                                .execution_options(synchronize_session=False))
+                res = s.connection().execute(_RENEW, {**self._held, "now": now, "expires": expires})
                 err = _lost_error(s, self) if res.rowcount != 1 else None
         if err is not None:
             self._mark_lost(err)
@@ -464,11 +477,7 @@ class Lease(AbstractContextManager["Lease"]):
         if self._lost is not None:
             return
         with self._io, self._factory() as s, s.begin():
-            s.execute(update(LeaseRow)
-                      .where(LeaseRow.session_id == self.session_id, LeaseRow.owner == self.owner,
-                             LeaseRow.generation == self.generation)
-                      .values(expires_at=RELEASED_AT)
-                      .execution_options(synchronize_session=False))
+            s.connection().execute(_RELEASE, {**self._held, "released_at": RELEASED_AT})
 
     def detach(self) -> None:
         """Stop renewing and mark the lease released without touching its row.

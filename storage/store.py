@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, false, func, literal, not_, select, update
+from sqlalchemy import bindparam, delete, false, func, literal, not_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -152,21 +152,35 @@ def _count_of(model: Any, *where: Any) -> Any:
             .correlate(SessionRow).scalar_subquery())
 
 
-def _messages_of(session_id: str) -> Any:
-    """The statement selecting a session's messages, in order."""
-    return select(MessageRow).where(MessageRow.session_id == session_id).order_by(MessageRow.idx)
+# The statements of opening a session for a turn (:meth:`Store.open_leased`),
+# built once over the tables' columns and run on the transaction's connection
+# (with :mod:`.leases`' own): building an ORM statement, its cache key and the
+# ORM's execution and row loading cost more than SQLite's own work for them.
+_SESSIONS, _MESSAGES = SessionRow.__table__, MessageRow.__table__
+_CHUNKS, _SESSION_CHUNKS = ChunkRow.__table__, SessionChunkRow.__table__
+#: Sets a session's ``last_used_at``; its row count says whether the session exists.
+_TOUCH = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(last_used_at=bindparam("now"))
+#: What a restore needs of the session's row: its KV's fingerprint and token ids.
+_KV_ROW = (select(_SESSIONS.c.fingerprint, _SESSIONS.c.n_cached, _SESSIONS.c.cached_ids)
+           .where(_SESSIONS.c.id == bindparam("sid")))
+_EXISTS = select(_SESSIONS.c.id).where(_SESSIONS.c.id == bindparam("sid"))
+#: A session's messages in order, as :class:`MessageRecord` needs them.
+_MESSAGE_LIST = (select(_MESSAGES.c.idx, _MESSAGES.c.role, _MESSAGES.c.content, _MESSAGES.c.tok_start,
+                        _MESSAGES.c.tok_end, _MESSAGES.c.created_at, _MESSAGES.c.flags)
+                 .where(_MESSAGES.c.session_id == bindparam("sid")).order_by(_MESSAGES.c.idx))
+#: A session's chunk rows in chunk-list order, in :class:`ChunkInfo` field order.
+_CHUNK_LIST = (select(_CHUNKS.c.hash, _CHUNKS.c.parent, _CHUNKS.c.relpath, _CHUNKS.c.n_tokens, _CHUNKS.c.bytes,
+                      _CHUNKS.c.fingerprint, _CHUNKS.c.kv_format, _CHUNKS.c.quant, _CHUNKS.c.dtype,
+                      _CHUNKS.c.block_size, _CHUNKS.c.verified)
+               .join_from(_SESSION_CHUNKS, _CHUNKS, _SESSION_CHUNKS.c.chunk_hash == _CHUNKS.c.hash)
+               .where(_SESSION_CHUNKS.c.session_id == bindparam("sid")).order_by(_SESSION_CHUNKS.c.position))
 
 
-def _chunks_of(session_id: str) -> Any:
-    """The statement selecting a session's chunk rows, in chunk-list order."""
-    return (select(ChunkRow).join(SessionChunkRow, SessionChunkRow.chunk_hash == ChunkRow.hash)
-            .where(SessionChunkRow.session_id == session_id).order_by(SessionChunkRow.position))
-
-
-def _touch(session_id: str, now: datetime) -> Any:
-    """The statement setting a session's ``last_used_at`` (one core UPDATE, not the ORM's flush of the row)."""
-    return (update(SessionRow).where(SessionRow.id == session_id).values(last_used_at=now)
-            .execution_options(synchronize_session=False))
+def _listed_chunk(r: Any) -> ChunkInfo:
+    """A :data:`_CHUNK_LIST` row as a :class:`ChunkInfo`."""
+    return ChunkInfo(hash=ChunkHash(r[0]), parent=ChunkHash(r[1]) if r[1] else None, relpath=r[2],
+                     n_tokens=r[3], bytes=r[4], fingerprint=r[5], kv_format=r[6], quant=r[7], dtype=r[8],
+                     block_size=r[9], verified=bool(r[10]))
 
 
 #: The id :meth:`Store.warm_up` runs its statements for (rolled back: any session may have it).
@@ -194,12 +208,32 @@ _RETENTION_COLUMNS = (SessionRow.pinned, SessionRow.kv_ttl_s)
 _RETENTION_COLUMNS_V4 = (literal(False), literal(None))
 
 
-def _session_infos(s: Session, *where: Any, schema: int = LATEST_VERSION) -> list[SessionInfo]:
+def _infos_select(schema: int) -> Any:
+    """Every session's :class:`SessionInfo` row, most recently used first, for an index at ``schema``."""
     cols = (*(_INFO_COLUMNS if schema >= 4 else _INFO_COLUMNS_V3),
             *(_RETENTION_COLUMNS if schema >= 5 else _RETENTION_COLUMNS_V4))
-    q = select(*cols).where(*where).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
-    return [SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:13], bool(r[13]), bool(r[14]),
-                        None if r[15] is None else float(r[15])) for r in s.execute(q)]
+    return select(*cols).order_by(SessionRow.last_used_at.desc(), SessionRow.id)
+
+
+def _as_info(r: Any) -> SessionInfo:
+    return SessionInfo(*(r[:7]), *(int(n or 0) for n in r[7:10]), *r[10:13], bool(r[13]), bool(r[14]),
+                       None if r[15] is None else float(r[15]))
+
+
+def _session_infos(s: Session, *where: Any, schema: int = LATEST_VERSION) -> list[SessionInfo]:
+    return [_as_info(r) for r in s.execute(_infos_select(schema).where(*where))]
+
+
+#: One session's info row, by schema version: built once (see :data:`_TOUCH`).
+_ONE_INFO: dict[int, Any] = {}
+
+
+def _one_session_info(s: Session, session_id: str, schema: int) -> SessionInfo | None:
+    q = _ONE_INFO.get(schema)
+    if q is None:
+        q = _ONE_INFO[schema] = _infos_select(schema).where(SessionRow.id == bindparam("sid"))
+    row = s.connection().execute(q, {"sid": session_id}).first()
+    return None if row is None else _as_info(row)
 
 
 def _index_is_read_only(home: Path, db_url: str) -> bool:
@@ -341,13 +375,13 @@ class Store(StoreUpkeep):
         sid = WARM_UP_SESSION_ID
         try:
             with self._session() as s:
-                s.get(SessionRow, sid)
+                conn = s.connection()
+                for statement in (_KV_ROW, _EXISTS, _MESSAGE_LIST, _CHUNK_LIST):
+                    conn.execute(statement, {"sid": sid}).all()
                 # Twice: its module-level subqueries get another cache key after
                 # their first compile (the second compile is the one later calls hit).
                 for _ in range(2):
-                    _session_infos(s, SessionRow.id == sid, schema=self._schema)
-                s.scalars(_messages_of(sid)).all()
-                s.scalars(_chunks_of(sid)).all()
+                    _one_session_info(s, sid, self._schema)
                 leases.foreign_holder(s, sid, self.owner, self.clock())
                 # The writes of an open (a write lock for a moment on SQLite): the
                 # ORM insert of a session's first lease row (its flush compiles
@@ -355,7 +389,7 @@ class Store(StoreUpkeep):
                 now = utcnow()
                 if leases.read_holder(s, sid) is None:
                     leases.try_acquire(s, sid, self.owner, self.lease_ttl_s, now)
-                s.execute(_touch(sid, now))
+                conn.execute(_TOUCH, {"sid": sid, "now": now})
                 leases.take_row(s, sid, leases.Holder("", -1, now), self.owner, 0, now, now)
                 s.rollback()
         except SQLAlchemyError as e:
@@ -421,10 +455,10 @@ class Store(StoreUpkeep):
         return row
 
     def _session_info(self, s: Session, session_id: str) -> SessionInfo:
-        found = _session_infos(s, SessionRow.id == validate_session_id(session_id), schema=self._schema)
-        if not found:
+        found = _one_session_info(s, validate_session_id(session_id), self._schema)
+        if found is None:
             raise SessionNotFoundError(f"no session {session_id!r}")
-        return found[0]
+        return found
 
     def path_of(self, info: ChunkInfo | str) -> Path:
         """Absolute path of a chunk file, from its info or hash."""
@@ -461,19 +495,15 @@ class Store(StoreUpkeep):
     def _open_row(self, s: Session, session_id: str, fingerprint: str | None, system_prompt: str | None,
                   create: bool) -> SessionInfo:
         """:meth:`open_session` in the transaction ``s``."""
-        row = s.get(SessionRow, session_id)
         now = utcnow()
-        if row is None:
+        if s.connection().execute(_TOUCH, {"sid": session_id, "now": now}).rowcount == 0:  # no such session
             if not create:
                 raise SessionNotFoundError(f"no session {session_id!r}")
             self._check_lease(s, session_id)
-            row = SessionRow(id=session_id, fingerprint=fingerprint, system_prompt=system_prompt,
+            s.add(SessionRow(id=session_id, fingerprint=fingerprint, system_prompt=system_prompt,
                              created_at=now, updated_at=now, last_used_at=now, n_cached=0,
-                             cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0)
-            s.add(row)
+                             cached_ids=b"", kv_bytes=0, tier="none", kv_generation=0))
             s.flush()
-        else:  # the statement warm_up() has compiled
-            s.execute(_touch(session_id, now))
         return self._session_info(s, session_id)
 
     def open_leased(self, session_id: str, *, fingerprint: str | None = None, system_prompt: str | None = None,
@@ -618,12 +648,15 @@ class Store(StoreUpkeep):
 
     def _message_records(self, s: Session, session_id: str) -> list[MessageRecord]:
         """:meth:`messages` in the transaction ``s``."""
-        row = self._get(s, session_id)
-        ms = s.scalars(_messages_of(row.id))
-        return [MessageRecord(m.idx, m.role, m.content,
-                              (m.tok_start, m.tok_end) if m.tok_start is not None and m.tok_end is not None else None,
-                              m.created_at, bool(m.flags & MESSAGE_PARTIAL),
-                              bool(m.flags & MESSAGE_OUTSIDE_WINDOW)) for m in ms]
+        conn = s.connection()
+        sid = validate_session_id(session_id)
+        rows = conn.execute(_MESSAGE_LIST, {"sid": sid}).all()
+        if not rows and conn.execute(_EXISTS, {"sid": sid}).first() is None:
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        return [MessageRecord(idx, role, content,
+                              (start, end) if start is not None and end is not None else None,
+                              created_at, bool(flags & MESSAGE_PARTIAL), bool(flags & MESSAGE_OUTSIDE_WINDOW))
+                for idx, role, content, start, end, created_at, flags in rows]
 
     def truncate_history(self, session_id: str, keep: int) -> int:
         """Delete messages with index >= ``keep`` (for undo/regenerate); return how many went.
@@ -1179,10 +1212,13 @@ class Store(StoreUpkeep):
 
     def kv_chunks(self, session_id: str) -> list[ChunkInfo]:
         """The session's ordered chunk list (index facts only; no file access)."""
+        sid = validate_session_id(session_id)
         with self._tx(write=False) as s:
-            row = self._get(s, session_id)
-            rows = s.scalars(_chunks_of(row.id))
-            return [_info(r) for r in rows]
+            conn = s.connection()
+            chunks = [_listed_chunk(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
+            if not chunks and conn.execute(_EXISTS, {"sid": sid}).first() is None:
+                raise SessionNotFoundError(f"no session {session_id!r}")
+            return chunks
 
     def cached_token_ids(self, session_id: str) -> list[int]:
         """The token ids the session's KV covers (``tokens[:n_cached]``)."""
@@ -1222,12 +1258,16 @@ class Store(StoreUpkeep):
 
     def _stored_kv(self, s: Session, session_id: str, fingerprint: str | None) -> "StoredKV":
         """:meth:`open_kv` in the transaction ``s``."""
-        row = self._get(s, session_id)
-        if fingerprint is not None and row.n_cached and row.fingerprint != fingerprint:
-            raise FingerprintMismatchError(session_id, row.fingerprint, fingerprint)
-        ids = unpack_token_ids(row.cached_ids)
-        rows = s.scalars(_chunks_of(row.id))
-        return StoredKV(self, session_id, fingerprint, ids, [_info(r) for r in rows])
+        conn = s.connection()
+        sid = validate_session_id(session_id)
+        row = conn.execute(_KV_ROW, {"sid": sid}).first()
+        if row is None:
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        row_fingerprint, n_cached, cached_ids = row
+        if fingerprint is not None and n_cached and row_fingerprint != fingerprint:
+            raise FingerprintMismatchError(session_id, row_fingerprint, fingerprint)
+        chunks = [_listed_chunk(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
+        return StoredKV(self, session_id, fingerprint, unpack_token_ids(cached_ids), chunks)
 
     def _check_chunk_tokens(self, info: ChunkInfo, got: list[int], expected: list[int]) -> None:
         """Quarantine chunk ``info`` and raise unless its tokens are the session's ``expected`` ones."""
