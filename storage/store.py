@@ -117,7 +117,9 @@ def _flags(partial: bool, outside_window: bool) -> int:
     return (MESSAGE_PARTIAL if partial else 0) | (MESSAGE_OUTSIDE_WINDOW if outside_window else 0)
 
 
-def _info(row: ChunkRow, written: int = 0) -> ChunkInfo:
+def _info(row: Any, written: int = 0) -> ChunkInfo:
+    """A chunk's :class:`ChunkInfo` from its :class:`ChunkRow`, or from a row of
+    :data:`_CHUNK_LIST` (the same names)."""
     return ChunkInfo(
         hash=ChunkHash(row.hash), parent=ChunkHash(row.parent) if row.parent else None,
         relpath=row.relpath, n_tokens=row.n_tokens, bytes=row.bytes, fingerprint=row.fingerprint,
@@ -168,7 +170,7 @@ _EXISTS = select(_SESSIONS.c.id).where(_SESSIONS.c.id == bindparam("sid"))
 _MESSAGE_LIST = (select(_MESSAGES.c.idx, _MESSAGES.c.role, _MESSAGES.c.content, _MESSAGES.c.tok_start,
                         _MESSAGES.c.tok_end, _MESSAGES.c.created_at, _MESSAGES.c.flags)
                  .where(_MESSAGES.c.session_id == bindparam("sid")).order_by(_MESSAGES.c.idx))
-#: A session's chunk rows in chunk-list order, in :class:`ChunkInfo` field order.
+#: A session's chunk rows in chunk-list order: the columns :func:`_info` reads, by name.
 _CHUNK_LIST = (select(_CHUNKS.c.hash, _CHUNKS.c.parent, _CHUNKS.c.relpath, _CHUNKS.c.n_tokens, _CHUNKS.c.bytes,
                       _CHUNKS.c.fingerprint, _CHUNKS.c.kv_format, _CHUNKS.c.quant, _CHUNKS.c.dtype,
                       _CHUNKS.c.block_size, _CHUNKS.c.verified)
@@ -176,11 +178,11 @@ _CHUNK_LIST = (select(_CHUNKS.c.hash, _CHUNKS.c.parent, _CHUNKS.c.relpath, _CHUN
                .where(_SESSION_CHUNKS.c.session_id == bindparam("sid")).order_by(_SESSION_CHUNKS.c.position))
 
 
-def _listed_chunk(r: Any) -> ChunkInfo:
-    """A :data:`_CHUNK_LIST` row as a :class:`ChunkInfo`."""
-    return ChunkInfo(hash=ChunkHash(r[0]), parent=ChunkHash(r[1]) if r[1] else None, relpath=r[2],
-                     n_tokens=r[3], bytes=r[4], fingerprint=r[5], kv_format=r[6], quant=r[7], dtype=r[8],
-                     block_size=r[9], verified=bool(r[10]))
+def _check_exists(conn: Any, session_id: str) -> None:
+    """Raise :class:`SessionNotFoundError` unless the session has a row (for a
+    read that found none of its rows: an empty list, or no such session)."""
+    if conn.execute(_EXISTS, {"sid": session_id}).first() is None:
+        raise SessionNotFoundError(f"no session {session_id!r}")
 
 
 #: The id :meth:`Store.warm_up` runs its statements for (rolled back: any session may have it).
@@ -651,8 +653,8 @@ class Store(StoreUpkeep):
         conn = s.connection()
         sid = validate_session_id(session_id)
         rows = conn.execute(_MESSAGE_LIST, {"sid": sid}).all()
-        if not rows and conn.execute(_EXISTS, {"sid": sid}).first() is None:
-            raise SessionNotFoundError(f"no session {session_id!r}")
+        if not rows:
+            _check_exists(conn, sid)
         return [MessageRecord(idx, role, content,
                               (start, end) if start is not None and end is not None else None,
                               created_at, bool(flags & MESSAGE_PARTIAL), bool(flags & MESSAGE_OUTSIDE_WINDOW))
@@ -1215,9 +1217,9 @@ class Store(StoreUpkeep):
         sid = validate_session_id(session_id)
         with self._tx(write=False) as s:
             conn = s.connection()
-            chunks = [_listed_chunk(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
-            if not chunks and conn.execute(_EXISTS, {"sid": sid}).first() is None:
-                raise SessionNotFoundError(f"no session {session_id!r}")
+            chunks = [_info(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
+            if not chunks:
+                _check_exists(conn, sid)
             return chunks
 
     def cached_token_ids(self, session_id: str) -> list[int]:
@@ -1266,7 +1268,7 @@ class Store(StoreUpkeep):
         row_fingerprint, n_cached, cached_ids = row
         if fingerprint is not None and n_cached and row_fingerprint != fingerprint:
             raise FingerprintMismatchError(session_id, row_fingerprint, fingerprint)
-        chunks = [_listed_chunk(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
+        chunks = [_info(r) for r in conn.execute(_CHUNK_LIST, {"sid": sid})]
         return StoredKV(self, session_id, fingerprint, unpack_token_ids(cached_ids), chunks)
 
     def _check_chunk_tokens(self, info: ChunkInfo, got: list[int], expected: list[int]) -> None:
