@@ -292,17 +292,20 @@ def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_
     assert torch_backend.products_apply(q) and not torch_backend.products_apply(q.float())
 
 
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+@pytest.mark.parametrize("tails", ["finite", "not finite"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_bit(head_dim, window, dtype,
-                                                                                    monkeypatch):
-    """A one-row decode step over consecutive blocks takes the backend's
-    shortcut (``decode_one``): the pool it leaves and the row it returns are
-    the general path's (write_kv, then forward) bit for bit, through SDPA
-    before PRODUCTS_FROM_POSITION and by products from there, at lengths on
-    and off block boundaries; it declines scattered blocks, windowed
-    products and steps of several rows."""
+def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_bit(head_dim, window, dtype, tails,
+                                                                                    layout, monkeypatch):
+    """A one-row decode step takes the backend's shortcut (``decode_one``):
+    the pool it leaves and the row it returns are the general path's
+    (write_kv, then forward) bit for bit, through SDPA before
+    PRODUCTS_FROM_POSITION and by products from there, at lengths on and off
+    block boundaries, over blocks consecutive in the pool or not, whatever
+    the unwritten slots after the row in its last block hold; it declines
+    windowed products and steps of several rows."""
     from chatkv.attention import _attend
     from chatkv.attention.base import AttentionMetadata
 
@@ -313,10 +316,17 @@ def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_b
     pool[:, :, first + 12:] = float("nan")  # slots no token was written to: never read as values
     backend = TorchBackend(products=True)
 
+    order = list(range(first, first + 12))
+    if layout == "scattered":  # blocks in another order, read through the table
+        order = order[::-1]
+
     def meta(n: int, kv: torch.Tensor, run: int) -> AttentionMetadata:
         blocks = -(-n // bs)
-        table = torch.arange(first, first + blocks, dtype=torch.int32)[None]
-        return AttentionMetadata(kv=kv, slot_mapping=torch.tensor([run * bs + n - 1]), block_tables=table,
+        table = torch.tensor(order[:blocks], dtype=torch.int32)[None]
+        if layout == "scattered":
+            run = -1
+        slot = order[(n - 1) // bs] * bs + (n - 1) % bs
+        return AttentionMetadata(kv=kv, slot_mapping=torch.tensor([slot]), block_tables=table,
                                  seq_lens=torch.tensor([n], dtype=torch.int32),
                                  cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_list=[n],
                                  query_lens_list=[1], max_query_len=1, backend=backend,
@@ -327,6 +337,10 @@ def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_b
         k = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
         v = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
         scale = head_dim ** -0.5
+        tail = pool[1, 1, order[n // bs], n % bs:]  # the slots after the row in its last block
+        kept = tail.clone()
+        if tails == "not finite" and n % bs:  # one layer's is enough to keep every layer off them
+            tail.fill_(float("inf"))
         for layer in range(layers):
             fast_pool, slow_pool = pool.clone(), pool.clone()
             m = meta(n, fast_pool, first)
@@ -342,9 +356,9 @@ def test_a_decode_rows_shortcut_writes_and_attends_as_the_general_path_bit_for_b
             assert torch.equal(got, want), (n, layer)
             assert torch.equal(fast_pool.nan_to_num(), slow_pool.nan_to_num()), (n, layer)
         pool = fast_pool
+        pool[1, 1, order[n // bs], n % bs:] = kept  # later rows see them as keys
     q = torch.randn(1, kv_heads * group, 1, head_dim, dtype=dtype)
     k = v = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype)
-    assert backend.decode_one(meta(20, pool, -1), 0, q, k, v, 0.125, None) is None  # blocks not consecutive
     two = torch.randn(1, kv_heads * group, 2, head_dim, dtype=dtype)
     assert backend.decode_one(meta(20, pool, first), 0, two, k, v, 0.125, None) is None  # two rows
 

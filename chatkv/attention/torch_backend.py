@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -251,6 +252,80 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out
 
 
+class _DecodeBlocks(NamedTuple):
+    """Where a decode step's one sequence lies in the pool (:func:`_decode_blocks`)."""
+
+    #: Its block ids to gather (an int64 tensor), or None when they are consecutive.
+    gather: torch.Tensor | None
+    #: Its first slot in the rows attention reads: the pool's, or the gathered ones (0).
+    first: int
+    #: The pool's block holding its last token.
+    last: int
+
+
+def _decode_blocks(meta: AttentionMetadata, kv_len: int, block_size: int) -> _DecodeBlocks:
+    """The decode step's sequence's :class:`_DecodeBlocks`, found once per step (``meta.extras``)."""
+    found = meta.extras.get("decode blocks")
+    if found is None or found[0] != kv_len:
+        runs = meta.extras.get("contiguous_start")
+        run = runs[0] if runs else -1
+        n = -(-kv_len // block_size)
+        if run >= 0:
+            blocks = _DecodeBlocks(None, run * block_size, run + n - 1)
+        else:
+            table = meta.block_tables[0, :n].to(torch.int64)
+            blocks = _DecodeBlocks(table, 0, int(table[-1]))
+        found = meta.extras["decode blocks"] = (kv_len, blocks)
+    return found[1]
+
+
+def _product_decode_rows(meta: AttentionMetadata, query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                         first: int, kv_len: int, last_block: int, scale: float) -> torch.Tensor:
+    """:func:`_product_decode` for one decode row (``query`` ``[1, heads, 1,
+    D]``) whose keys and values are the rows ``first .. first + kv_len - 1``
+    of ``k_flat``/``v_flat`` (``[slots, kv_heads, D]``: one layer's pool, or
+    the sequence's blocks gathered; its last token's block is the pool's
+    ``last_block``): the same operators on the same views, so the same values
+    bit for bit (tested), with fewer operator calls around them, as a decode
+    step's attention is mostly their fixed cost. The block-diagonal query
+    buffer, the views of its diagonal and of the product's, and whether the
+    unwritten value slots after the row are finite in every layer (one check
+    for all) are made once per step, in ``meta.extras``. ``[1, 1, heads, D]``."""
+    _, heads, _, head_dim = query.shape
+    kv_heads = k_flat.shape[1]
+    group, width = heads // kv_heads, kv_heads * head_dim
+    block_size = meta.kv.shape[3]
+    whole = -(-kv_len // block_size) * block_size  # every row of the blocks holding the keys
+    step = meta.extras.get("decode rows")
+    if step is None or step[0] != (kv_len, query.dtype):
+        # [kv_heads, group, kv_heads, D]: head h's queries go to block (h, h), the rest stays zero.
+        blocks = query.new_zeros(kv_heads, group, kv_heads, head_dim)
+        diagonal = (kv_heads, group, head_dim), (group * width + head_dim, width, 1)
+        finite = True
+        if whole > kv_len:  # the unwritten value slots after the row, every layer (a zero times them must be 0)
+            tail = meta.kv[:, 1, last_block, kv_len % block_size:]
+            finite = math.isfinite(float(torch.sum(tail, dtype=torch.float32)))
+        step = meta.extras["decode rows"] = ((kv_len, query.dtype), blocks, blocks.as_strided(*diagonal),
+                                             diagonal, finite)
+    _, blocks, into, diagonal, finite = step
+    if not finite:
+        whole = kv_len  # products over the row's own keys (a shape oneDNN may build a kernel for)
+    rows = k_flat.view(-1, width)[first: first + whole]
+    values = v_flat.view(-1, width)[first: first + whole]
+    qc = query.view(kv_heads, group, head_dim)
+    if math.frexp(scale)[0] == 0.5:  # a power of two: scaling the queries gives the same scores
+        torch.mul(qc, scale, out=into)
+        scores = torch.mm(blocks.view(heads, width), rows.t())
+    else:
+        into.copy_(qc)
+        scores = torch.mm(blocks.view(heads, width), rows.t()) * scale
+    if whole > kv_len:
+        scores[:, kv_len:] = float("-inf")
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+    full = torch.mm(probs, values)  # [heads, kv_heads * D]: each row keeps its own head's block
+    return full.as_strided(*diagonal).reshape(1, 1, heads, head_dim)
+
+
 def _finite(values: torch.Tensor) -> bool:
     """Whether every element of ``values`` is finite (a float32 sum that is; one
     that overflows says no, which only costs the caller its fast path). About
@@ -474,18 +549,23 @@ class TorchBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor | None:
-        """See :meth:`AttentionBackend.decode_one`. For a sequence whose blocks
-        are consecutive in the pool (the engine's usual case), the same
-        operators as :meth:`forward` (SDPA, or :func:`product_attention` from
+        """See :meth:`AttentionBackend.decode_one`. The same operators as
+        :meth:`forward` (SDPA, or :func:`product_attention`'s from
         :data:`PRODUCTS_FROM_POSITION` on) on views with the same strides, so
-        the same values bit for bit (tested), in about a fifth of the operator
-        calls: a decode step is one such row per layer, and the general path's
-        slicing, reshaping and copying cost about 26 µs a layer here, 0.8 ms
-        of a 17 ms step. None for anything else (nothing written)."""
-        runs = meta.extras.get("contiguous_start")
-        run = runs[0] if runs else -1
+        the same values bit for bit (tested), in far fewer operator calls: a
+        decode step is one such row per layer, and the general path's slicing,
+        reshaping and copying cost about 26 µs a layer here, 0.8 ms of a 17 ms
+        step. A sequence whose blocks are consecutive in the pool (the
+        engine's usual case) is read where it is; any other (after an edit,
+        or sharing a system prompt's blocks with another session) is first
+        gathered into rows of its own, as the general path does (on the CPU).
+        None for anything else: windowed products, another dtype, several
+        rows (nothing written)."""
         kv = meta.kv
-        if run < 0 or kv.dtype != query.dtype or key.dtype != kv.dtype or query.shape[2] != 1:
+        runs = meta.extras.get("contiguous_start")
+        scattered = not runs or runs[0] < 0
+        if kv.dtype != query.dtype or key.dtype != kv.dtype or query.shape[2] != 1 \
+                or (scattered and kv.device.type != "cpu"):  # (reading the table here would sync a device)
             return None
         _, _, _, block_size, kv_heads, head_dim = kv.shape
         q_heads = query.shape[1]
@@ -499,18 +579,16 @@ class TorchBackend(AttentionBackend):
         v_flat = v_cache.view(-1, kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, key.reshape(1, kv_heads, head_dim))
         v_flat.index_copy_(0, meta.slot_mapping, value.reshape(1, kv_heads, head_dim))
+        blocks = _decode_blocks(meta, kv_len, block_size)
+        if blocks.gather is not None:  # scattered: the sequence's blocks as rows of their own
+            k_flat = k_cache.index_select(0, blocks.gather).view(-1, kv_heads, head_dim)
+            v_flat = v_cache.index_select(0, blocks.gather).view(-1, kv_heads, head_dim)
+        first = blocks.first  # the sequence's first slot in k_flat / v_flat
         if not products:  # as _sdpa_attention's decode row
-            first = run * block_size  # the sequence's first slot
             lo = kv_len - sliding_window if sliding_window is not None and kv_len > sliding_window else 0
             size, row = (1, kv_heads, kv_len - lo, head_dim), kv_heads * head_dim
             k = k_flat.as_strided(size, (row, head_dim, row, 1), k_flat.storage_offset() + (first + lo) * row)
             v = v_flat.as_strided(size, (row, head_dim, row, 1), v_flat.storage_offset() + (first + lo) * row)
             o = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, head_dim), k, v, scale=scale)
             return o.reshape(1, 1, q_heads, head_dim)
-        table = meta.block_tables[0]
-        k_rows = gather_sequence_kv(k_cache, table, kv_len, run, whole_blocks=True)  # a view
-        v_rows = gather_sequence_kv(v_cache, table, kv_len, run, whole_blocks=True)
-        o = product_attention(query.reshape(kv_heads, group, 1, head_dim), k_rows[:kv_len].transpose(0, 1),
-                              v_rows[:kv_len].transpose(0, 1), scale, None, meta.extras.setdefault("masks", {}),
-                              whole_blocks=(k_rows, v_rows))
-        return o.reshape(1, 1, q_heads, head_dim)
+        return _product_decode_rows(meta, query, k_flat, v_flat, first, kv_len, blocks.last, scale)
