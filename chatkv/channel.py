@@ -71,7 +71,19 @@ class Channel:
         with self._cond:
             if not self._items:
                 self._cond.wait(timeout)
-            return self._items.popleft() if self._items else EMPTY
+            if not self._items:
+                return EMPTY
+            item = self._items.popleft()
+            if not self._items:
+                self._cond.notify_all()  # a producer may wait for the channel to be drained
+            return item
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the consumer has taken every item
+        put so far; returns whether it has. For a producer that lets its
+        consumer run before it goes on (see :meth:`chatkv.scheduler.Scheduler._step`)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._items, timeout)
 
     def peek(self) -> Any:
         """The next item without taking it, or :data:`EMPTY`."""
@@ -81,7 +93,10 @@ class Channel:
     def pop(self) -> Any:
         """Take the next item (one must be there)."""
         with self._cond:
-            return self._items.popleft()
+            item = self._items.popleft()
+            if not self._items:
+                self._cond.notify_all()  # a producer may wait for the channel to be drained
+            return item
 
     def on_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once an item is available: at once if one is, else from

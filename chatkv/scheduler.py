@@ -90,6 +90,9 @@ IDLE_EXIT_S = 2.0
 _STALL_WAIT_S = 0.01
 #: How often a blocked consumer checks that the loop is still alive.
 _POLL_S = 0.5
+#: Longest the loop waits, after a step that gave a turn its first text, for
+#: the turn's consumer to take it before the next step (see :meth:`Scheduler._step`).
+FIRST_PIECE_WAIT_S = 0.002
 
 # ------------------------------------------------------------------------------ requests
 
@@ -116,6 +119,7 @@ class Request:
     preempted: bool = False  # released by preemption; revive cached blocks on re-admission
     blocked_since: float | None = None
     decode_start: float | None = None
+    pieces_sent: bool = False  # some text of the reply went into the channel
     # Written by the consumer as it takes pieces: how much of the reply it has seen.
     delivered_tokens: int = 0
     delivered_text: str = ""
@@ -206,6 +210,7 @@ class Scheduler:
         self._progress = threading.Condition(threading.Lock())
         self._incoming: list[Request] = []
         self._jobs: list[Job] = []
+        self._first_pieces: list[Channel] = []  # channels given a turn's first text this step (loop only)
         self._unadmitted = 0  # submitted, not yet admitted nor finished (bounded by max_waiting)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -453,7 +458,23 @@ class Scheduler:
         stats.max_batch_seqs = max(stats.max_batch_seqs, len(plan))
         stats.max_batch_tokens = max(stats.max_batch_tokens, tokens)
         self._sample(plan, logits)
+        self._hand_over_first_pieces()
         return True
+
+    def _hand_over_first_pieces(self) -> None:
+        """Let the consumers of the turns whose first text this step put take
+        it before the next step starts (at most :data:`FIRST_PIECE_WAIT_S` in
+        all): the next step keeps both cores busy with its operator threads, and
+        a consumer woken just then waited for a core, 3 to 6 ms in a third of
+        the turns on this project's 2-core VM, against 0.3 ms otherwise (the
+        time to first token the caller sees, not :attr:`TurnStats.ttft_s`)."""
+        if not self._first_pieces:
+            return
+        deadline = time.perf_counter() + FIRST_PIECE_WAIT_S
+        for channel in self._first_pieces:
+            if not channel.wait_drained(max(0.0, deadline - time.perf_counter())):
+                break  # not read now: the consumer is elsewhere, the loop goes on
+        self._first_pieces.clear()
 
     def _govern_threads(self) -> None:
         """On the loop, before its jobs and its step: run on the thread count
@@ -707,6 +728,9 @@ class Scheduler:
         piece = req.streamer.push(token)
         if piece:
             req.channel.put((piece, len(stats.token_ids)))
+            if not req.pieces_sent:
+                req.pieces_sent = True
+                self._first_pieces.append(req.channel)
         if req.streamer.stopped:
             return self._finish(req, "stop")
         if len(stats.token_ids) >= params.max_new_tokens:

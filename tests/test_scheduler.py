@@ -263,3 +263,51 @@ def test_closing_an_engine_saves_its_sessions_and_ends_its_loop_thread(chatkv_ho
     assert again.wait_restored().source == "disk"
     assert [m["role"] for m in again.messages] == ["system", "user", "assistant"]
     again.close()
+
+
+def test_a_channel_is_drained_once_its_consumer_took_every_item():
+    from chatkv.channel import EMPTY, Channel
+
+    channel = Channel()
+    assert channel.wait_drained(0.0)  # nothing put: drained
+    channel.put("a")
+    channel.put("b")
+    assert not channel.wait_drained(0.0)
+    taken = threading.Event()
+    drained: list[bool] = []
+    waiter = threading.Thread(target=lambda: (taken.set(), drained.append(channel.wait_drained(60.0))))
+    waiter.start()
+    taken.wait()
+    assert channel.get(0.0) == "a" and channel.pop() == "b"  # the last take wakes the waiting producer
+    waiter.join(60.0)
+    assert drained == [True] and channel.get(0.0) is EMPTY
+
+
+def test_the_loop_lets_a_turns_consumer_take_its_first_text_before_the_next_step(monkeypatch):
+    """After the step that gives a turn its first text, the loop waits (at most
+    FIRST_PIECE_WAIT_S) for the turn's consumer to take it, once per turn, and
+    a consumer that does not read at once only costs that wait: the turn still ends."""
+    from chatkv import channel as channel_module
+    from chatkv import scheduler
+
+    waits: list[float] = []
+    real = channel_module.Channel.wait_drained
+
+    def recording(self, timeout: float) -> bool:
+        waits.append(timeout)
+        return real(self, timeout)
+
+    monkeypatch.setattr(channel_module.Channel, "wait_drained", recording)
+    engine = make_engine()
+    chat = Chat("handoff", engine=engine, persist=False, max_new_tokens=8, ignore_eos=True)
+    chat.send("Hello there")
+    chat.send("Tell me a story")
+    assert len(waits) == 2 and all(0 <= w <= scheduler.FIRST_PIECE_WAIT_S for w in waits)
+    finished = engine.scheduler.stats.finished
+    stream = chat.stream("And then?")
+    first = next(stream)  # the first piece, then nothing read until the turn is over
+    assert engine.scheduler.wait_until(lambda: engine.scheduler.stats.finished == finished + 1, 60)
+    rest = "".join(stream)
+    assert first and len(chat.last_stats.token_ids) == 8 and chat.last_stats.text == first + rest
+    chat.close()
+    engine.close()
