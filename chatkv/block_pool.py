@@ -615,11 +615,15 @@ class BlockPool:
         self._check()
         assert 0 <= start and start + count <= seq.num_computed, (start, count, seq.num_computed)
         L, two, nb, bs, h, d = self.kv.shape
-        first, last = start // bs, (start + count - 1) // bs
-        blocks = torch.tensor(seq.block_table[first : last + 1], dtype=torch.long, device=self.kv.device)
-        gathered = self.kv.index_select(2, blocks).reshape(L, two, -1, h, d)
-        off = start - first * bs
-        return gathered[:, :, off : off + count].contiguous()
+        flat = self.kv.view(L, two, nb * bs, h, d)
+        out = self.kv.new_empty((L, two, count, h, d))
+        table = seq.block_table
+        slots = [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        # One slice copy per run of consecutive slots (usually one): an index_select
+        # along the pool's block dimension ran element by element, 11 ms for 9 blocks.
+        for at, slot, length in slot_runs(slots):
+            out[:, :, at : at + length].copy_(flat[:, :, slot : slot + length])
+        return out
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` computed tokens of ``seq``, releasing

@@ -256,3 +256,14 @@ def test_slot_runs_cuts_slots_into_consecutive_runs(n):
     assert [i for i, _, _ in runs] == [sum(r[2] for r in runs[:k]) for k in range(len(runs))]
     assert all(slots[i + length - 1] + 1 != (slots[i + length] if i + length < n else None)
                for i, _, length in runs)  # each run as long as it goes
+
+
+@pytest.mark.parametrize("start,count", [(0, 23), (3, 9), (8, 1), (5, 18)])
+def test_read_tokens_copies_each_tokens_kv_from_wherever_its_block_is(start, count):
+    pool = make_pool(num_blocks=16)
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view_as(pool.kv))
+    seq = Sequence(token_ids=list(range(23)), block_table=[9, 2, 3, 12, 13, 14], num_computed=23)  # runs 9 | 2-3 | 12-14
+    got = pool.read_tokens(seq, start, count)
+    flat = pool.kv.view(2, 2, -1, 2, 4)
+    want = torch.stack([flat[:, :, seq.block_table[p // 4] * 4 + p % 4] for p in range(start, start + count)], 2)
+    assert got.shape == (2, 2, count, 2, 4) and torch.equal(got, want) and got.is_contiguous()
