@@ -110,7 +110,7 @@ def product_attention(
     kv_len = k.shape[1]
     exact_scale = math.frexp(scale)[0] == 0.5
     if q_len == 1 and sliding_window is None:
-        done = _product_decode(q, k, v, scale, exact_scale, masks, out, whole_blocks)
+        done = _product_decode(q, k, v, scale, masks, out, whole_blocks)
         if done is not None:
             return done
     offset = kv_len - q_len  # position of the first query
@@ -179,7 +179,42 @@ def warm_product_buffers(kv_heads: int, group: int, head_dim: int, device: torch
     return rows
 
 
-def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, exact_scale: bool,
+def _diagonal(kv_heads: int, group: int, head_dim: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Size and strides, as ``[kv_heads, group, D]``, of the blocks ``(h, h)``
+    of a contiguous ``[kv_heads, group, kv_heads, D]`` tensor: each query
+    head's columns of its own KV head (for :meth:`torch.Tensor.as_strided`)."""
+    width = kv_heads * head_dim
+    return (kv_heads, group, head_dim), (group * width + head_dim, width, 1)
+
+
+def _block_diagonal_products(blocks: torch.Tensor, into: torch.Tensor, qc: torch.Tensor, rows: torch.Tensor,
+                             values: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """The two products of one decode row per query head over every KV head
+    at once, the arithmetic of :func:`product_attention`: the queries ``qc``
+    ``[kv_heads, group, D]``, scaled (exactly, for a power-of-two
+    ``scale``), written into ``into`` (the diagonal of ``blocks``, a
+    ``[kv_heads, group, kv_heads, D]`` buffer zero elsewhere) and multiplied
+    by the keys ``rows`` ``[L', kv_heads * D]`` read transposed; the scores
+    of slots from ``kv_len`` on set to -inf; softmax in float32 rounded back;
+    times ``values`` ``[L', kv_heads * D]``. Returns that product, ``[heads,
+    kv_heads * D]``, of which each row's own head's block (:func:`_diagonal`)
+    is its result."""
+    kv_heads, group, _, _ = blocks.shape
+    exact_scale = math.frexp(scale)[0] == 0.5
+    if exact_scale:
+        torch.mul(qc, scale, out=into)
+    else:
+        into.copy_(qc)
+    scores = torch.mm(blocks.view(kv_heads * group, -1), rows.t())  # [heads, L']
+    if not exact_scale:
+        scores = scores * scale
+    if rows.shape[0] > kv_len:
+        scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(qc.dtype)
+    return torch.mm(probs, values)
+
+
+def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     masks: dict | None, out: torch.Tensor | None,
                     whole_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """:func:`product_attention` of one row per query head over every key (a
@@ -217,7 +252,6 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     then computes the same values.
     """
     kv_heads, group, _, head_dim = q.shape
-    heads = kv_heads * group
     rows, values = k.transpose(0, 1), v.transpose(0, 1)  # [L, kv_heads, D]
     kv_len = rows.shape[0]
     if whole_blocks is not None and whole_blocks[0].shape[0] > kv_len and whole_blocks[0].is_contiguous() \
@@ -231,21 +265,10 @@ def _product_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         blocks = q.new_zeros(kv_heads, group, kv_heads, head_dim)
         if masks is not None:
             masks[key] = blocks
-    # Head h's queries, scaled (exactly: a power of two) or not, into block (h, h).
-    diagonal = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [kv_heads, group, D]
-    qc = q.view(kv_heads, group, head_dim)
-    if exact_scale:
-        torch.mul(qc, scale, out=diagonal)
-    else:
-        diagonal.copy_(qc)
-    scores = torch.mm(blocks.view(heads, kv_heads * head_dim), rows.view(rows.shape[0], -1).t())  # [heads, L']
-    if not exact_scale:
-        scores = scores * scale
-    if rows.shape[0] > kv_len:
-        scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    full = torch.mm(probs, values.view(values.shape[0], -1)).view(kv_heads, group, kv_heads, head_dim)
-    result = full.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # each row's own head: [kv_heads, group, D]
+    diagonal = _diagonal(kv_heads, group, head_dim)
+    full = _block_diagonal_products(blocks, blocks.as_strided(*diagonal), q.view(kv_heads, group, head_dim),
+                                    rows.view(rows.shape[0], -1), values.view(values.shape[0], -1), kv_len, scale)
+    result = full.as_strided(*diagonal)  # each row's own head: [kv_heads, group, D]
     if out is None:
         return result.contiguous().view(kv_heads, group, 1, head_dim)
     out.view(kv_heads, group, head_dim).copy_(result)
@@ -298,31 +321,18 @@ def _product_decode_rows(meta: AttentionMetadata, query: torch.Tensor, k_flat: t
     whole = -(-kv_len // block_size) * block_size  # every row of the blocks holding the keys
     step = meta.extras.get("decode rows")
     if step is None or step[0] != (kv_len, query.dtype):
-        # [kv_heads, group, kv_heads, D]: head h's queries go to block (h, h), the rest stays zero.
         blocks = query.new_zeros(kv_heads, group, kv_heads, head_dim)
-        diagonal = (kv_heads, group, head_dim), (group * width + head_dim, width, 1)
-        finite = True
-        if whole > kv_len:  # the unwritten value slots after the row, every layer (a zero times them must be 0)
-            tail = meta.kv[:, 1, last_block, kv_len % block_size:]
-            finite = math.isfinite(float(torch.sum(tail, dtype=torch.float32)))
+        diagonal = _diagonal(kv_heads, group, head_dim)
+        # The unwritten value slots after the row, every layer (a zero times them must be 0).
+        finite = whole == kv_len or _finite(meta.kv[:, 1, last_block, kv_len % block_size:])
         step = meta.extras["decode rows"] = ((kv_len, query.dtype), blocks, blocks.as_strided(*diagonal),
                                              diagonal, finite)
     _, blocks, into, diagonal, finite = step
     if not finite:
         whole = kv_len  # products over the row's own keys (a shape oneDNN may build a kernel for)
-    rows = k_flat.view(-1, width)[first: first + whole]
-    values = v_flat.view(-1, width)[first: first + whole]
-    qc = query.view(kv_heads, group, head_dim)
-    if math.frexp(scale)[0] == 0.5:  # a power of two: scaling the queries gives the same scores
-        torch.mul(qc, scale, out=into)
-        scores = torch.mm(blocks.view(heads, width), rows.t())
-    else:
-        into.copy_(qc)
-        scores = torch.mm(blocks.view(heads, width), rows.t()) * scale
-    if whole > kv_len:
-        scores[:, kv_len:] = float("-inf")
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
-    full = torch.mm(probs, values)  # [heads, kv_heads * D]: each row keeps its own head's block
+    full = _block_diagonal_products(blocks, into, query.view(kv_heads, group, head_dim),
+                                    k_flat.view(-1, width)[first: first + whole],
+                                    v_flat.view(-1, width)[first: first + whole], kv_len, scale)
     return full.as_strided(*diagonal).reshape(1, 1, heads, head_dim)
 
 
