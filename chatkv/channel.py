@@ -71,17 +71,12 @@ class Channel:
         with self._cond:
             if not self._items:
                 self._cond.wait(timeout)
-            if not self._items:
-                return EMPTY
-            item = self._items.popleft()
-            if not self._items:
-                self._cond.notify_all()  # a producer may wait for the channel to be drained
-            return item
+            return self._take() if self._items else EMPTY
 
     def wait_drained(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until the consumer has taken every item
         put so far; returns whether it has. For a producer that lets its
-        consumer run before it goes on (see :meth:`chatkv.scheduler.Scheduler._step`)."""
+        consumer run before it goes on (:meth:`chatkv.scheduler.Scheduler._hand_over_first_pieces`)."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._items, timeout)
 
@@ -93,10 +88,15 @@ class Channel:
     def pop(self) -> Any:
         """Take the next item (one must be there)."""
         with self._cond:
-            item = self._items.popleft()
-            if not self._items:
-                self._cond.notify_all()  # a producer may wait for the channel to be drained
-            return item
+            return self._take()
+
+    def _take(self) -> Any:
+        """The next item, taken (the lock held): the last one wakes a producer
+        waiting for the channel to be drained (:meth:`wait_drained`)."""
+        item = self._items.popleft()
+        if not self._items:
+            self._cond.notify_all()
+        return item
 
     def on_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once an item is available: at once if one is, else from
