@@ -380,10 +380,7 @@ class Store(StoreUpkeep):
                 conn = s.connection()
                 for statement in (_KV_ROW, _EXISTS, _MESSAGE_LIST, _CHUNK_LIST):
                     conn.execute(statement, {"sid": sid}).all()
-                # Twice: its module-level subqueries get another cache key after
-                # their first compile (the second compile is the one later calls hit).
-                for _ in range(2):
-                    _one_session_info(s, sid, self._schema)
+                _one_session_info(s, sid, self._schema)
                 leases.foreign_holder(s, sid, self.owner, self.clock())
                 # The writes of an open (a write lock for a moment on SQLite): the
                 # ORM insert of a session's first lease row (its flush compiles
