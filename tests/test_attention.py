@@ -292,6 +292,33 @@ def test_a_rows_products_do_not_depend_on_the_step_that_computes_it(window, max_
     assert torch_backend.products_apply(q) and not torch_backend.products_apply(q.float())
 
 
+@pytest.mark.parametrize("max_scores", [1 << 23, 2000])  # one product per layer, and rows cut into chunks
+@pytest.mark.parametrize("head_dim", [64, 48])  # the queries scaled as they are copied, and after the product
+def test_a_steps_layers_share_scratch_buffers_without_mixing_their_values(head_dim, max_scores, monkeypatch):
+    """The layers of one step (one ``masks`` dict) compute their products in
+    the same scratch memory, one after another, with sequences of two shapes
+    in the step: each layer's rows are exactly what the same call computes
+    with buffers of its own (``masks=None``), whatever the layer before left there."""
+    monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 30)
+    torch.manual_seed(9)
+    layers, kv_heads, group, bs = 3, 2, 3, 16
+    caches = torch.randn(layers, 2, 12, bs, kv_heads, head_dim, dtype=torch.bfloat16)
+    table = torch.tensor([[3, 1, 6, 0, 2], [7, 8, 9, 10, 11]], dtype=torch.int32)
+    lens, new = [70, 50], [25, 12]  # a step of two sequences: new rows straddle position 30 in the first
+    queries = [torch.randn(sum(new), kv_heads * group, head_dim, dtype=torch.bfloat16) * 4 for _ in range(layers)]
+    step: dict = {}
+    scale = head_dim ** -0.5
+    for layer in range(layers):
+        k_cache, v_cache = caches[layer, 0], caches[layer, 1]
+        shared = paged_attention_reference(queries[layer], k_cache, v_cache, table, lens, new, scale,
+                                           masks=step, products=True)
+        alone = paged_attention_reference(queries[layer], k_cache, v_cache, table, lens, new, scale,
+                                          products=True)
+        assert torch.equal(shared, alone), layer
+    assert any(key[0] == "scratch" for key in step if isinstance(key, tuple))  # the buffers were shared
+
+
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
 @pytest.mark.parametrize("tails", ["finite", "not finite"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

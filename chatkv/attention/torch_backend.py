@@ -97,11 +97,12 @@ def product_attention(
     at most :data:`PRODUCTS_MAX_SCORES` scores, and a chunk multiplies only
     up to the last key its rows may see; keys past a row's position only add
     zeros, so a row's result does not depend on the step it is in. ``masks``
-    is where the step keeps its masks between layers (:func:`step_mask`).
-    A decode step's one row (no window) over keys and values that are rows
-    of the pool takes a path of its own (:func:`_product_decode`, which
-    ``whole_blocks`` serves), written into ``out``
-    (``[kv_heads, group, 1, D]``, a view of the step's output) when given.
+    is where the step keeps its masks and its layers' scratch buffers
+    (:func:`step_mask`, :func:`_scratch`). A decode step's one row (no
+    window) over keys and values that are rows of the pool takes a path of
+    its own (:func:`_product_decode`, which ``whole_blocks`` serves). The
+    result is written into ``out`` when given (``q``'s shape, any strides: a
+    view of the step's output).
 
     Returns:
         ``[kv_heads, group, T, D]`` (``out`` when given).
@@ -121,13 +122,18 @@ def product_attention(
         t1 = min(q_len, t0 + rows)
         n = t1 - t0
         last = offset + t1  # keys after the chunk's last query are hidden from every row
-        qc = q[:, :, t0:t1].reshape(kv_heads, group * n, head_dim)
+        # The chunk's queries as rows of their own, scaled in the same pass when
+        # the scale is exact (the same product as scaling them after the copy).
+        qc = _scratch(masks, "queries", (kv_heads, group, n, head_dim), q)
         if exact_scale:
-            qc = qc * scale
+            torch.mul(q[:, :, t0:t1], scale, out=qc)
+        else:
+            qc.copy_(q[:, :, t0:t1])
+        qc = qc.view(kv_heads, group * n, head_dim)
         if group * n <= KEYS_FIRST_MAX_ROWS:  # the same values either way
             scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)
-        else:
-            scores = _queries_first(qc, k, last)  # [kv_heads, group*n, last]
+        else:  # [kv_heads, group*n, last]
+            scores = _queries_first(qc, k, last, _scratch(masks, "scores", (kv_heads, group * n, last), q))
         if not exact_scale:
             scores = scores * scale
         # The chunk's rows are the last n of `last` positions: the step's shared
@@ -144,17 +150,34 @@ def product_attention(
     return out
 
 
-def _queries_first(qc: torch.Tensor, k: torch.Tensor, last: int) -> torch.Tensor:
-    """``qc @ k[:, :last]^T`` (``[kv_heads, rows, D]`` by ``[kv_heads, L, D]``):
-    one product per KV head, each reading its keys transposed where they
-    are. A batched product over the pool's rows (``k`` a view of them)
-    first copies every head's keys transposed: about 100 µs a layer over
-    1.9k keys here, as long as the product itself. The same values bit for
-    bit (tested)."""
-    scores = qc.new_empty(qc.shape[0], qc.shape[1], last)
-    for h in range(qc.shape[0]):
-        torch.mm(qc[h], k[h, :last].t(), out=scores[h])
+def _queries_first(qc: torch.Tensor, k: torch.Tensor, last: int, scores: torch.Tensor) -> torch.Tensor:
+    """``qc @ k[:, :last]^T`` (``[kv_heads, rows, D]`` by ``[kv_heads, L, D]``)
+    into ``scores`` (``[kv_heads, rows, last]``, returned): one product per KV
+    head, each reading its keys transposed where they are. A batched product
+    over the pool's rows (``k`` a view of them) first copies every head's
+    keys transposed: about 100 µs a layer over 1.9k keys here, as long as
+    the product itself. The same values bit for bit (tested)."""
+    for q_h, k_h, s_h in zip(qc.unbind(0), k[:, :last].transpose(1, 2).unbind(0), scores.unbind(0)):
+        torch.mm(q_h, k_h, out=s_h)
     return scores
+
+
+def _scratch(masks: dict | None, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized ``like``-typed buffer of ``shape`` that every layer of
+    a step uses in turn (kept in ``masks``, the step's dict, as a flat buffer
+    of the largest size asked for under ``name``); a new one without
+    ``masks``. A layer's products then write the memory the layer before
+    wrote, still in the CPU's caches, rather than memory the allocator hands
+    back in another order (about 2% of a layer's attention over 1.9k keys
+    here). Its contents are the caller's until it asks again."""
+    numel = math.prod(shape)
+    if masks is None:
+        return like.new_empty(shape)
+    key = ("scratch", name, like.dtype, like.device)
+    flat = masks.get(key)
+    if flat is None or flat.numel() < numel:
+        flat = masks[key] = like.new_empty(numel)
+    return flat[:numel].view(shape)
 
 
 #: Keys of the throwaway attention :func:`warm_product_buffers` runs.
@@ -477,10 +500,11 @@ def paged_attention_reference(
                 product_attention(query[start + cut].view(kv_heads, group, 1, head_dim), k, v, scale,
                                   sliding_window, masks, out=out[start + cut].view(kv_heads, group, 1, head_dim),
                                   whole_blocks=(k_rows, v_rows))
-            else:
-                q = query[start + cut : start + q_len].transpose(0, 1).reshape(kv_heads, group, n, head_dim)
-                o = product_attention(q, k, v, scale, sliding_window, masks)
-                out[start + cut : start + q_len] = o.reshape(q_heads, n, head_dim).transpose(0, 1)
+            else:  # read from the step's query and written into its output where they are
+                heads = (kv_heads, group)
+                product_attention(query[start + cut : start + q_len].unflatten(1, heads).permute(1, 2, 0, 3), k, v,
+                                  scale, sliding_window, masks,
+                                  out=out[start + cut : start + q_len].unflatten(1, heads).permute(1, 2, 0, 3))
         start += q_len
     return out
 
