@@ -109,7 +109,6 @@ def product_attention(
     """
     kv_heads, group, q_len, head_dim = q.shape
     kv_len = k.shape[1]
-    exact_scale = math.frexp(scale)[0] == 0.5
     if q_len == 1 and sliding_window is None:
         done = _product_decode(q, k, v, scale, masks, out, whole_blocks)
         if done is not None:
@@ -122,19 +121,14 @@ def product_attention(
         t1 = min(q_len, t0 + rows)
         n = t1 - t0
         last = offset + t1  # keys after the chunk's last query are hidden from every row
-        # The chunk's queries as rows of their own, scaled in the same pass when
-        # the scale is exact (the same product as scaling them after the copy).
-        qc = _scratch(masks, "queries", (kv_heads, group, n, head_dim), q)
-        if exact_scale:
-            torch.mul(q[:, :, t0:t1], scale, out=qc)
-        else:
-            qc.copy_(q[:, :, t0:t1])
+        qc = _scratch(masks, "queries", (kv_heads, group, n, head_dim), q)  # the chunk's rows of its own
+        rescale = _queries_into(qc, q[:, :, t0:t1], scale)
         qc = qc.view(kv_heads, group * n, head_dim)
         if group * n <= KEYS_FIRST_MAX_ROWS:  # the same values either way
             scores = torch.matmul(k[:, :last], qc.transpose(1, 2)).transpose(1, 2)
         else:  # [kv_heads, group*n, last]
             scores = _queries_first(qc, k, last, _scratch(masks, "scores", (kv_heads, group * n, last), q))
-        if not exact_scale:
+        if rescale:
             scores = scores * scale
         # The chunk's rows are the last n of `last` positions: the step's shared
         # additive mask (0 or -inf; adding 0 leaves a score as it is, as eager's does).
@@ -148,6 +142,19 @@ def product_attention(
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
         out[:, :, t0:t1] = torch.matmul(probs, v[:, :last]).view(kv_heads, group, n, head_dim)
     return out
+
+
+def _queries_into(into: torch.Tensor, q: torch.Tensor, scale: float) -> bool:
+    """Copy the queries ``q`` into ``into``, scaled in the same pass where
+    ``scale`` is a power of two (scaling the queries then gives the scores
+    scaling them would, bit for bit). Returns whether the scores still need
+    multiplying by ``scale`` (any other scale, as transformers' eager
+    attention applies it)."""
+    if math.frexp(scale)[0] == 0.5:
+        torch.mul(q, scale, out=into)
+        return False
+    into.copy_(q)
+    return True
 
 
 def _queries_first(qc: torch.Tensor, k: torch.Tensor, last: int, scores: torch.Tensor) -> torch.Tensor:
@@ -223,13 +230,9 @@ def _block_diagonal_products(blocks: torch.Tensor, into: torch.Tensor, qc: torch
     kv_heads * D]``, of which each row's own head's block (:func:`_diagonal`)
     is its result."""
     kv_heads, group, _, _ = blocks.shape
-    exact_scale = math.frexp(scale)[0] == 0.5
-    if exact_scale:
-        torch.mul(qc, scale, out=into)
-    else:
-        into.copy_(qc)
+    rescale = _queries_into(into, qc, scale)
     scores = torch.mm(blocks.view(kv_heads * group, -1), rows.t())  # [heads, L']
-    if not exact_scale:
+    if rescale:
         scores = scores * scale
     if rows.shape[0] > kv_len:
         scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
