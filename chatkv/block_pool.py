@@ -503,7 +503,7 @@ class BlockPool:
                 seq.block_table[-1] = fresh
         while len(seq.block_table) * bs < start + num_new:
             seq.block_table.append(self._allocate(seq.block_table[-1] if seq.block_table else None))
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+        return self._slots(seq, start, num_new)
 
     def commit(self, seq: Sequence, num_new: int) -> None:
         """Record that ``num_new`` tokens after ``seq.num_computed`` now have KV in
@@ -581,10 +581,11 @@ class BlockPool:
             flat[:, :, slot : slot + length].copy_(src[:, :, at : at + length])
 
     def slot_views(self, slots: Seq[int]) -> list[tuple[int, torch.Tensor]]:
-        """Writable views of reserved ``slots`` (see :meth:`reserve`), one per run
-        of consecutive slots: ``(index in slots of the run's first, the run's
-        [num_layers, 2, length, kv_heads, head_dim] view into the pool)``, for a
-        writer that produces the KV in place (a compact chunk's dequantization)."""
+        """Views of ``slots`` in the pool, one per run of consecutive slots:
+        ``(index in slots of the run's first, the run's [num_layers, 2, length,
+        kv_heads, head_dim] view into the pool)``, for a writer that produces
+        the KV of reserved slots in place (see :meth:`reserve`; a compact
+        chunk's dequantization) or a reader of computed ones (:meth:`read_tokens`)."""
         self._check()
         L, two, nb, bs, h, d = self.kv.shape
         flat = self.kv.view(L, two, nb * bs, h, d)
@@ -614,16 +615,18 @@ class BlockPool:
         as ``[num_layers, 2, count, kv_heads, head_dim]`` on the pool's device."""
         self._check()
         assert 0 <= start and start + count <= seq.num_computed, (start, count, seq.num_computed)
-        L, two, nb, bs, h, d = self.kv.shape
-        flat = self.kv.view(L, two, nb * bs, h, d)
+        L, two, _, _, h, d = self.kv.shape
         out = self.kv.new_empty((L, two, count, h, d))
-        table = seq.block_table
-        slots = [table[p // bs] * bs + p % bs for p in range(start, start + count)]
         # One slice copy per run of consecutive slots (usually one): an index_select
         # along the pool's block dimension ran element by element, 11 ms for 9 blocks.
-        for at, slot, length in slot_runs(slots):
-            out[:, :, at : at + length].copy_(flat[:, :, slot : slot + length])
+        for at, run in self.slot_views(self._slots(seq, start, count)):
+            out[:, :, at : at + run.shape[2]].copy_(run)
         return out
+
+    def _slots(self, seq: Sequence, start: int, count: int) -> list[int]:
+        """The pool slots of ``seq``'s tokens ``start .. start + count - 1`` (its blocks must hold them)."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` computed tokens of ``seq``, releasing
