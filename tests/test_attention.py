@@ -201,9 +201,11 @@ def _eager(q, k, v, scale, window):
 @pytest.mark.parametrize("max_scores", [1 << 23, 3000])  # one product, and rows cut into chunks
 @pytest.mark.parametrize("t", [5, 21])  # scores as k @ q^T (15 rows a KV head), and as q @ k^T (63)
 @pytest.mark.parametrize("layout", ["heads", "pool rows"])  # [kv_heads, L, D] of their own, or the pool's view
+@pytest.mark.parametrize("softmax_tile", [1 << 19, 1000])  # one softmax per chunk, or a few rows at a time
 def test_products_equal_transformers_eager_attention_bit_for_bit(head_dim, window, max_scores, t, layout,
-                                                                  monkeypatch):
+                                                                  softmax_tile, monkeypatch):
     monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    monkeypatch.setattr(torch_backend, "SOFTMAX_TILE_SCORES", softmax_tile)
     torch.manual_seed(4)
     kv_heads, group, n = 3, 3, 300
     q = torch.randn(kv_heads * group, t, head_dim, dtype=torch.bfloat16)
@@ -298,8 +300,10 @@ def test_a_steps_layers_share_scratch_buffers_without_mixing_their_values(head_d
     """The layers of one step (one ``masks`` dict) compute their products in
     the same scratch memory, one after another, with sequences of two shapes
     in the step: each layer's rows are exactly what the same call computes
-    with buffers of its own (``masks=None``), whatever the layer before left there."""
+    with buffers of its own (``masks=None``), whatever the layer before left
+    there. The softmax goes a few rows at a time through float32 scratch too."""
     monkeypatch.setattr(torch_backend, "PRODUCTS_MAX_SCORES", max_scores)
+    monkeypatch.setattr(torch_backend, "SOFTMAX_TILE_SCORES", 300)
     monkeypatch.setattr(torch_backend, "PRODUCTS_FROM_POSITION", 30)
     torch.manual_seed(9)
     layers, kv_heads, group, bs = 3, 2, 3, 16
@@ -316,7 +320,34 @@ def test_a_steps_layers_share_scratch_buffers_without_mixing_their_values(head_d
         alone = paged_attention_reference(queries[layer], k_cache, v_cache, table, lens, new, scale,
                                           products=True)
         assert torch.equal(shared, alone), layer
-    assert any(key[0] == "scratch" for key in step if isinstance(key, tuple))  # the buffers were shared
+    shared = {key[1] for key in step if isinstance(key, tuple) and key[0] == "scratch"}
+    # The buffers were shared (chunks of few rows compute their scores keys first, in memory of their own).
+    assert shared == ({"queries", "scores", "softmax"} if max_scores == 1 << 23 else {"queries"})
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 257), (700, 9), (1, 5, 4000)])
+def test_a_softmax_a_few_rows_at_a_time_equals_one_softmax_bit_for_bit(shape, monkeypatch):
+    """Scores of more than a tile (:data:`SOFTMAX_TILE_SCORES`) get their
+    float32 softmax a tile of rows at a time, in place, through scratch: the
+    same bfloat16 values as one softmax of them all, rounded back (tiles of
+    several rows, of one row, and of one row wider than the tile); fewer
+    scores, or scores not contiguous, get the one softmax."""
+    monkeypatch.setattr(torch_backend, "SOFTMAX_TILE_SCORES", 1000)
+    torch.manual_seed(12)
+    scores = (torch.randn(shape) * 8).to(torch.bfloat16)
+    scores[..., 0, :3] = float("-inf")  # masked keys
+    want = torch.softmax(scores, -1, dtype=torch.float32).to(torch.bfloat16)
+    work, masks = scores.clone(), {}
+    got = torch_backend._softmax_rounded(work, masks)
+    assert got.data_ptr() == work.data_ptr() and torch.equal(got, want)
+    assert any(isinstance(key, tuple) and key[1] == "softmax" for key in masks)
+    small = (torch.randn(10, 50) * 8).to(torch.bfloat16)  # 500 scores: left as they are
+    kept = small.clone()
+    assert torch.equal(torch_backend._softmax_rounded(small, {}),
+                       torch.softmax(kept, -1, dtype=torch.float32).to(torch.bfloat16))
+    assert torch.equal(small, kept)
+    transposed = scores.transpose(-1, -2).contiguous().transpose(-1, -2)  # the keys-first products' scores
+    assert torch.equal(torch_backend._softmax_rounded(transposed, {}), want)
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
