@@ -259,7 +259,8 @@ class Engine:
         over 3.6k tokens of a fresh process faulted in about 20,000 fresh
         pages and took 0.41 to 0.49 s against 0.34 to 0.45 s for the next turn;
         with it, 42 to 8,000 pages and 0.34 to 0.40 s (``/tmp`` probe, three
-        fresh processes). The memory kept is about 100 MB."""
+        fresh processes). The memory kept is about 24 MB (100 MB before a
+        long prefill's softmax went by tiles)."""
         kv = self.pool.kv  # [layers, 2, blocks, block size, KV heads, head dim]
         heads = getattr(self.runner.model.config, "num_attention_heads", None)
         if heads and getattr(self.backend, "products", False) and products_apply(kv[0, 0, 0]):

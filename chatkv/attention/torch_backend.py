@@ -233,7 +233,8 @@ def warm_product_buffers(kv_heads: int, group: int, head_dim: int, device: torch
     """Run :func:`product_attention` once, on zeros, over
     :data:`WARM_PRODUCT_KEYS` keys with as many query rows as one of its
     chunks holds (:data:`PRODUCTS_MAX_SCORES` scores), in bfloat16: the
-    largest buffers a long prefill's attention allocates, about 100 MB.
+    largest buffers a long prefill's attention allocates, about 24 MB (the
+    chunk's scores, the softmax's float32 tiles and the mask).
     Freed, they stay with the calling thread's allocator
     (:mod:`chatkv.allocator`), so that the first long turn of a process
     does not write fresh pages for them (about 20,000 page faults for a
