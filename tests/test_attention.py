@@ -330,8 +330,8 @@ def test_a_softmax_a_few_rows_at_a_time_equals_one_softmax_bit_for_bit(shape, mo
     """Scores of more than a tile (:data:`SOFTMAX_TILE_SCORES`) get their
     float32 softmax a tile of rows at a time, in place, through scratch: the
     same bfloat16 values as one softmax of them all, rounded back (tiles of
-    several rows, of one row, and of one row wider than the tile); fewer
-    scores, or scores not contiguous, get the one softmax."""
+    3 rows of 257, of 111 rows of 9, and of one row wider than the tile);
+    fewer scores, or scores not contiguous, get the one softmax."""
     monkeypatch.setattr(torch_backend, "SOFTMAX_TILE_SCORES", 1000)
     torch.manual_seed(12)
     scores = (torch.randn(shape) * 8).to(torch.bfloat16)
