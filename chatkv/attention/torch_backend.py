@@ -207,10 +207,9 @@ def _queries_first(qc: torch.Tensor, k: torch.Tensor, last: int, scores: torch.T
 def _scratch(masks: dict | None, name: str, shape: tuple[int, ...], like: torch.Tensor,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialized buffer of ``shape``, on ``like``'s device and of its
-    dtype unless ``dtype`` is given, that every layer of
-    a step uses in turn (kept in ``masks``, the step's dict, as a flat buffer
-    of the largest size asked for under ``name``); a new one without
-    ``masks``. A layer's products then write the memory the layer before
+    dtype unless ``dtype`` is given, that every layer of a step uses in turn
+    (kept in ``masks``, the step's dict, as a flat buffer of the largest size
+    asked for under ``name``); a new one without ``masks``. A layer's products then write the memory the layer before
     wrote, still in the CPU's caches, rather than memory the allocator hands
     back in another order (about 2% of a layer's attention over 1.9k keys
     here). Its contents are the caller's until it asks again."""
@@ -275,7 +274,7 @@ def _block_diagonal_products(blocks: torch.Tensor, into: torch.Tensor, qc: torch
         scores = scores * scale
     if rows.shape[0] > kv_len:
         scores[:, kv_len:] = float("-inf")  # slots past the row's position (whatever they hold)
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(qc.dtype)
+    probs = _softmax_rounded(scores)
     return torch.mm(probs, values)
 
 
