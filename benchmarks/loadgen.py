@@ -23,6 +23,11 @@ command (which must restart the server) runs ``S`` seconds in; turns that fail
 meanwhile are retried once the server answers again, and the report splits
 into before and after the restart.
 
+``--min-later-turns N`` keeps users going past ``--duration`` until N later
+turns (a conversation's second or after; after the restart, with one) have
+succeeded, at most ``--request-timeout`` seconds more: a short run then
+measures some however slow the server was to answer or to come back.
+
 Usage::
 
     chatkv serve --model default --port 8000 &
@@ -162,13 +167,26 @@ class LoadGen:
         self.server_up.set()
         self.next_conversation = 0
         self.model = ""
+        #: Later turns (a conversation's second or after) that succeeded; after the restart, with one.
+        self.later_ok = 0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def start_limit(self) -> float:
+        """Seconds into the run after which no turn starts: ``--duration`` plus
+        the restart's downtime, plus ``--request-timeout`` with ``--min-later-turns``."""
+        extra = self.args.request_timeout if self.args.min_later_turns else 0.0
+        return self.args.duration + self.downtime + extra
+
     def over(self) -> bool:
-        """True once ``--duration`` seconds of serving (the restart's downtime not counted) have passed."""
-        return self.now() >= self.args.duration + self.downtime
+        """True once ``--duration`` seconds of serving (the restart's downtime not
+        counted) have passed and ``--min-later-turns`` later turns have
+        succeeded (or :meth:`start_limit` has passed)."""
+        now = self.now()
+        if now < self.args.duration + self.downtime:
+            return False
+        return self.later_ok >= self.args.min_later_turns or now >= self.start_limit()
 
     async def pick_model(self) -> str:
         if self.args.model:
@@ -216,6 +234,8 @@ class LoadGen:
             turn.error = f"{type(exc).__name__}: {exc}"[:300]
         turn.total_s = time.perf_counter() - start
         self.turns.append(turn)
+        if turn.ok and index > 0 and (turn.after_restart or not args.restart_cmd):
+            self.later_ok += 1
         return turn, "".join(pieces)
 
     async def user_loop(self, user: int) -> None:
@@ -277,10 +297,10 @@ class LoadGen:
         restart = asyncio.create_task(self.restart()) if self.args.restart_cmd else None
         try:
             while True:  # the limit grows by the restart's downtime
-                limit = self.args.duration + self.downtime + self.args.request_timeout - self.now()
+                limit = self.start_limit() + self.args.request_timeout - self.now()
                 done, _ = await asyncio.wait(tasks, timeout=max(limit, 0.1))
-                if len(done) == len(tasks) or (self.now() >= self.args.duration + self.downtime
-                                                + self.args.request_timeout and self.server_up.is_set()):
+                if len(done) == len(tasks) or (self.now() >= self.start_limit() + self.args.request_timeout
+                                                and self.server_up.is_set()):
                     break
             for t in tasks:
                 if t.done() and t.exception() is not None:
@@ -300,7 +320,8 @@ class LoadGen:
         turns = self.turns
         out: dict[str, Any] = {
             "base_url": self.args.base_url, "model": self.model, "users": self.args.users,
-            "duration_s": self.args.duration, "max_tokens": self.args.max_tokens, "seed": self.args.seed,
+            "duration_s": self.args.duration, "min_later_turns": self.args.min_later_turns,
+            "max_tokens": self.args.max_tokens, "seed": self.args.seed,
             "history": self.args.history, "source": self.args.source,
             "all": summarize(turns, seconds),
             "later_turns": summarize([t for t in turns if t.index > 0], seconds),
@@ -369,12 +390,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--restart-at", type=float, default=None, help="run --restart-cmd this many seconds in")
     p.add_argument("--restart-cmd", default=None, help="shell command that restarts the server")
+    p.add_argument("--min-later-turns", type=int, default=0,
+                   help="go on past --duration until this many later turns (after the restart, with one) "
+                        "have succeeded, at most --request-timeout seconds more [0]")
     p.add_argument("--json-out", type=Path, default=None, help="also write the report as JSON here")
     args = p.parse_args(argv)
     if (args.restart_at is None) != (args.restart_cmd is None):
         p.error("--restart-at and --restart-cmd go together")
     if args.users < 1 or args.duration <= 0 or args.max_turns < 1:
         p.error("--users, --duration and --max-turns must be positive")
+    if args.min_later_turns < 0:
+        p.error("--min-later-turns must be 0 or more")
     return args
 
 

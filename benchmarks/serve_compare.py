@@ -296,7 +296,7 @@ def loadgen_argv(args: argparse.Namespace, base_url: str, json_out: Path, restar
             "--request-timeout", str(args.request_timeout), "--json-out", str(json_out)]
     if restart_cmd is not None:
         argv += ["--restart-at", str(args.restart_at), "--restart-cmd", restart_cmd]
-    return argv
+    return argv + ["--min-later-turns", str(args.min_later_turns)]
 
 
 def scrape_metric(base_url: str, metric: str) -> float | None:
@@ -361,7 +361,8 @@ def run_system(name: str, args: argparse.Namespace, out: Path, model_cache: str)
         lg = loadgen_argv(args, state["base_url"], json_out, restart_cmd)
         print(f"[serve_compare] {name}: up in {result['start_s']} s; loadgen for {args.duration:g} s"
               + (f", restart at {args.restart_at:g} s" if restart_cmd else ""), file=sys.stderr)
-        limit = args.duration + args.request_timeout + args.start_timeout + args.stop_timeout + 120
+        waits = args.request_timeout if args.min_later_turns else 0.0  # as loadgen's start_limit
+        limit = args.duration + waits + args.request_timeout + args.start_timeout + args.stop_timeout + 120
         try:
             done = subprocess.run(lg, cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=limit,
                                   env={k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV})
@@ -510,6 +511,9 @@ def render(summary: dict[str, Any]) -> str:
              f"Workload (the same for every server): {a['users']} users, {a['duration']:g} s, "
              + (f"server restarted at {a['restart_at']:g} s (SIGTERM; same arguments and home), "
                 if a["restart_at"] is not None else "no restart, ")
+             + (f"load going on until {a['min_later_turns']} later turns had succeeded"
+                + (" after it" if a["restart_at"] is not None else "") + ", "
+                if a.get("min_later_turns") else "")
              + f"`--source {a['source']}` (up to {a['max_chars']} characters), `--history recorded`, "
                f"up to {a['max_turns']} user turns and {a['max_tokens']} greedy tokens a reply, "
                f"{a['think_time']:g} s mean think time, seed {a['seed']}; model `{a['model']}`; "
@@ -595,6 +599,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=8000)
     p.add_argument("--restart-at", type=float, default=None, help="seconds in [the midpoint]")
     p.add_argument("--no-restart", action="store_true", help="no server restart")
+    p.add_argument("--min-later-turns", type=int, default=0,
+                   help="load past --duration until this many later turns (after the restart, with one) have "
+                        "succeeded, at most --request-timeout seconds more (loadgen's option) [0]")
     p.add_argument("--restart-tolerance", type=float, default=0.10,
                    help="noise allowed by the 'after the restart no worse' goal [0.10]")
     p.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp's --n_ctx [8192]")
@@ -637,6 +644,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.restart_at = args.duration / 2
     elif not 0 < args.restart_at < args.duration:
         p.error("--restart-at must fall inside the run")
+    if args.min_later_turns < 0:
+        p.error("--min-later-turns must be 0 or more")
     return args
 
 
@@ -657,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         if "unavailable" in r:
             print(f"[serve_compare] {name}: unavailable: {r['unavailable']}", file=sys.stderr)
-    workload = {k: getattr(args, k) for k in ("users", "duration", "restart_at", "source", "max_chars",
+    workload = {k: getattr(args, k) for k in ("users", "duration", "restart_at", "min_later_turns",
+                                              "source", "max_chars",
                                               "max_turns", "max_tokens", "think_time", "seed", "model",
                                               "dtype", "threads")}
     summary = {"workload": workload, "results": results, "goals": goals(results, args.restart_tolerance)}

@@ -610,8 +610,10 @@ def test_loadgen_smoke_drives_chatkv_serve(engine: Engine, tmp_path: Path) -> No
 
     with serving(engine) as live:
         out = tmp_path / "report.json"
-        argv = ["--base-url", live.base_url, "--users", "3", "--duration", "2", "--max-tokens", "4",
-                "--max-turns", "3", "--think-time", "0.05", "--source", "synthetic", "--json-out", str(out)]
+        # Past its 2 s the load goes on until a later turn has succeeded: an event, not a clock.
+        argv = ["--base-url", live.base_url, "--users", "3", "--duration", "2", "--min-later-turns", "1",
+                "--max-tokens", "4", "--max-turns", "3", "--think-time", "0.05", "--source", "synthetic",
+                "--json-out", str(out)]
         assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["model"] == MODEL and report["all"]["errors"] == 0
