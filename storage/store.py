@@ -35,7 +35,7 @@ from sqlalchemy import bindparam, delete, false, func, literal, not_, select, up
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import leases, owners
+from . import leases, nativeread, owners
 from .chunkfile import (
     ChunkFile,
     ChunkMeta,
@@ -272,7 +272,8 @@ class Store(StoreUpkeep):
             then fails with :class:`StorageWriteError`.
         warm: run the statements of a session's reopen and restore once, in
             a background thread, so that the first ``Chat()`` finds them
-            compiled (:meth:`warm_up`). Not for a read-only Store.
+            compiled (:meth:`warm_up`), and build or load the native chunk
+            reads in another (:mod:`.nativeread`). Not for a read-only Store.
 
     Side effects (unless read-only): creates the home, the index tables, runs
     pending schema migrations, takes this Store's owner lock
@@ -349,6 +350,7 @@ class Store(StoreUpkeep):
             self._warming = threading.Thread(target=self._warm_in_background, name="chatkv-store-warm-up",
                                              daemon=True)
             self._warming.start()
+            nativeread.prepare_in_background()  # ready before a first restore (reads never wait for it)
 
     # ------------------------------------------------------------------ plumbing
 

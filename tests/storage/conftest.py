@@ -172,3 +172,36 @@ def store(home: Path):
     s = Store(home)
     yield s
     s.close()
+
+
+class ChunkReads:
+    """Which way a test's chunk reads go (:func:`chunk_reads`), and how many native calls they made."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.native_calls = 0
+
+
+@pytest.fixture(params=["python", "native"])
+def chunk_reads(request, monkeypatch) -> ChunkReads:
+    """Chunk reads (``ChunkReader.read_into``'s checked reads) through Python's
+    slice loop, then through the native call (``chatkv.storage.nativeread``),
+    whose calls are counted; skipped where the native reads cannot be built."""
+    from chatkv.storage import nativeread
+
+    mode = ChunkReads(request.param)
+    if request.param == "python":
+        monkeypatch.setattr(nativeread, "reader", lambda: None)
+        return mode
+    reads = nativeread.wait_prepared(120)
+    if reads is None:
+        pytest.skip(f"native chunk reads unavailable here: {nativeread.unavailable_reason()}")
+    real = reads.read_hashed
+
+    def counted(*args, **kwargs):
+        mode.native_calls += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reads, "read_hashed", counted)
+    monkeypatch.setattr(nativeread, "reader", lambda: reads)
+    return mode

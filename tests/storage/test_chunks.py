@@ -161,7 +161,7 @@ def _read_into_buffers(store: Store, sid: str, fingerprint: str | None = None) -
 @pytest.mark.parametrize("read", ["load_kv", "open_kv"])
 @pytest.mark.parametrize("damage", [_corrupt_flip, _corrupt_truncate, _corrupt_header, Path.unlink])
 def test_corrupt_or_missing_chunk_is_quarantined_and_history_survives(store: Store, home: Path, damage,
-                                                                       read: str) -> None:
+                                                                       read: str, chunk_reads) -> None:
     store.open_session("s", fingerprint=FP)
     store.open_session("t", fingerprint=FP)
     for i in range(3):
@@ -255,9 +255,10 @@ def test_files_checksummed_with_sha256_still_verify(tmp_path) -> None:
     store.close()
 
 
-def test_open_kv_reads_each_chunk_straight_into_the_callers_buffers(store: Store) -> None:
+def test_open_kv_reads_each_chunk_straight_into_the_callers_buffers(store: Store, chunk_reads) -> None:
     """What a restore does: the index read once, each chunk's tensor read into
-    caller memory cut into pieces (a pool's rows, with room for skipped tokens)."""
+    caller memory cut into pieces (a pool's rows, with room for skipped tokens),
+    in Python and through the native call alike."""
     ids = list(range(150))
     store.open_session("s")
     store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=new_chunks(ids))
@@ -280,9 +281,10 @@ def test_open_kv_reads_each_chunk_straight_into_the_callers_buffers(store: Store
         assert torch.equal(pool[:, :, first: first + shape[2]], want)
         seen.append(n)
     assert seen == [64, 64, 22]
+    assert chunk_reads.native_calls == (3 if chunk_reads.path == "native" else 0)
 
 
-def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store) -> None:
+def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store, chunk_reads) -> None:
     ids = list(range(20))
     extra = {"kv": torch.randn(2, 3), "scale": torch.rand(5)}
     store.open_session("s")
@@ -301,11 +303,11 @@ def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(st
 
 @pytest.mark.parametrize("slice_bytes", [1 << 20, 96, 7])
 def test_read_into_hashes_slice_by_slice_with_the_same_bytes_and_verdict(store: Store, monkeypatch,
-                                                                         slice_bytes: int) -> None:
+                                                                         slice_bytes: int, chunk_reads) -> None:
     """A chunk read a slice at a time, each slice hashed as it lands (slices that
     cut across the caller's pieces and the tensors read anew), gives the bytes
-    and the checksum verdict of one whole read: a byte flipped in its last
-    slice is found."""
+    and the checksum verdict of one whole read, in Python and through the
+    native call: a byte flipped in its last slice is found."""
     from chatkv.storage import chunkfile
 
     monkeypatch.setattr(chunkfile, "HASHED_READ_BYTES", slice_bytes)
@@ -325,6 +327,7 @@ def test_read_into_hashes_slice_by_slice_with_the_same_bytes_and_verdict(store: 
     (source,) = list(store.open_kv("s"))
     with pytest.raises(CorruptChunkError, match="checksum mismatch"):
         source.read_into({"kv": [bytearray(4 * 33 * 4)]})
+    assert chunk_reads.native_calls == (2 if chunk_reads.path == "native" else 0)
 
 
 def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
