@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -393,3 +395,36 @@ def test_a_restore_reads_only_what_the_pool_does_not_share_and_answers_the_same(
     again.close()
     other.close()
     assert second.pool_stats().used_blocks == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_restore_readers_keep_to_cpus_of_their_own(monkeypatch) -> None:
+    """Each restore reader thread runs on one CPU, none shared (the kernel had
+    them take turns on one CPU while the other idled); switched off, a reader
+    keeps every CPU of the process."""
+    from chatkv import persistence
+
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < persistence.RESTORE_READERS:
+        pytest.skip(f"{len(cpus)} CPU(s) for {persistence.RESTORE_READERS} readers")
+    meet = threading.Barrier(persistence.RESTORE_READERS, timeout=30)
+
+    def where() -> frozenset[int]:
+        meet.wait()  # every reader at once: each answers for a thread of its own
+        return frozenset(os.sched_getaffinity(0))
+
+    readers = persistence._restore_readers()
+    got = [f.result() for f in [readers.submit(where) for _ in range(persistence.RESTORE_READERS)]]
+    assert all(len(c) == 1 and c <= cpus for c in got) and len(set(got)) == persistence.RESTORE_READERS
+
+    monkeypatch.setenv(persistence.PIN_READERS_ENV, "0")
+    seen: list[set[int]] = []
+
+    def unpinned() -> None:
+        persistence._pin_reader()
+        seen.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=unpinned)
+    t.start()
+    t.join()
+    assert seen == [cpus]
