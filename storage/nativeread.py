@@ -150,7 +150,7 @@ class NativeReads:
         offsets: list[int] = []
         pinned: list[Any] = []  # the buffers' exports, alive until the call returns
         for buf, offset in pieces:
-            address, size = self._address(buf, pinned)
+            address, size = self._address(buf, pinned, filled=offset >= 0)
             if size:
                 addresses.append(address)
                 lengths.append(size)
@@ -173,19 +173,23 @@ class NativeReads:
         return f"{digest.high64:016x}{digest.low64:016x}"
 
     @staticmethod
-    def _address(buf: Any, pinned: list[Any]) -> tuple[int, int]:
-        """``(address, bytes)`` of ``buf``'s memory, its export kept in ``pinned``."""
-        if isinstance(buf, bytes):
-            pinned.append(buf)
-            return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0, len(buf)
+    def _address(buf: Any, pinned: list[Any], filled: bool) -> tuple[int, int]:
+        """``(address, bytes)`` of ``buf``'s memory, its export kept in ``pinned``.
+
+        Raises:
+            TypeError: ``buf`` is to be ``filled`` but read-only.
+            ValueError: ``buf`` is not C-contiguous.
+        """
         view = memoryview(buf)
+        if filled and view.readonly:
+            raise TypeError("a piece to be read into is read-only")
         if not view.c_contiguous:
             raise ValueError("a piece is not C-contiguous")
         size = view.nbytes
         if not size:
             return 0, 0
-        if view.readonly:  # only hashed: a copy of its bytes is as good
-            data = view.tobytes()
+        if view.readonly:  # only hashed: its bytes, kept alive, are as good
+            data = buf if isinstance(buf, bytes) else view.tobytes()
             pinned.append(data)
             return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, size
         export = ctypes.c_char.from_buffer(view.cast("B"))

@@ -39,12 +39,17 @@ def test_pieces_land_and_hash_as_xxhash_does(reads: nativeread.NativeReads, tmp_
     assert digest == xxhash.xxh3_128(b"head" + data[30_000:] + b"read-only" + data[:30_000] + b"writable").hexdigest()
 
 
-def test_an_early_end_and_a_failed_read_are_errors(reads: nativeread.NativeReads, tmp_path: Path) -> None:
+def test_an_early_end_a_failed_read_and_a_read_only_target_are_errors(reads: nativeread.NativeReads,
+                                                                      tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"x" * 100)
     with open(path, "rb") as f:
         with pytest.raises(EOFError):
             reads.read_hashed(f.fileno(), [(bytearray(60), 50)], 4096)
+        for target in (b"y" * 10, memoryview(b"y" * 10)):
+            with pytest.raises(TypeError, match="read-only"):
+                reads.read_hashed(f.fileno(), [(target, 0)], 4096)
+            assert bytes(target) == b"y" * 10
     fd = os.open(path, os.O_RDONLY)
     os.close(fd)
     with pytest.raises(OSError) as ei:
