@@ -144,6 +144,8 @@ class NativeReads:
         Raises:
             EOFError: the file ends before the pieces do (what landed is unverified).
             OSError: a read failed.
+            TypeError: a piece to be filled is read-only (nothing was read).
+            ValueError: a piece is not C-contiguous (nothing was read).
         """
         addresses: list[int] = []
         lengths: list[int] = []
