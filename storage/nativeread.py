@@ -3,9 +3,9 @@
 :meth:`~.chunkfile.ChunkReader.read_into` reads a chunk a slice at a time
 (:data:`~.chunkfile.HASHED_READ_BYTES`) and feeds each slice to xxh3 while it
 is still in the core's cache. In Python each slice is a ``preadv`` call and
-an ``update`` call, and between the two the reading thread needs the GIL back:
-a restore's two reader threads (and the caller, templating the turn) hand it
-back and forth, and a chunk at times waited milliseconds for it.
+an ``update`` call, and between the two the reading thread needs the GIL
+back, which a restore's two reader threads (and the caller, templating the
+turn) hand back and forth.
 
 This module builds, once per machine, a C function of a few lines that runs
 the same loop over a whole chunk (``pread`` a slice, feed it to the hash,
@@ -14,6 +14,10 @@ call. The hash is xxhash's own: the functions the ``xxhash`` package's
 extension module exports (its dispatching build, which picks AVX2 or AVX-512
 code for the CPU), so the digest is the one the Python path computes; that is
 checked on a probe file, bytes and digest, before the function is used.
+With the reader threads on CPUs of their own (:mod:`chatkv.persistence`),
+one engine restored a 1,494-token bfloat16 session from the page cache in
+6.49 ms this way against 7.36 through Python (20 restores each, alternating;
+this project's 2-CPU AMD VM).
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
