@@ -44,6 +44,8 @@ import logging
 import os
 import threading
 
+from chatkv.config import switched_off
+
 log = logging.getLogger(__name__)
 
 #: Environment variable: ``0`` (or off/false/no) leaves glibc's malloc settings alone.
@@ -78,7 +80,7 @@ def tune_malloc() -> bool:
 
 
 def _tune() -> bool:
-    if os.environ.get(TUNING_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(TUNING_ENV):
         log.debug("malloc left as it is (%s=%s)", TUNING_ENV, os.environ[TUNING_ENV])
         return False
     try:

@@ -23,6 +23,13 @@ def _from_dict(cls: type[T], values: dict[str, Any]) -> T:
     return cls(**values)
 
 
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name``, a switch that is on unless
+    set, turns it off: ``0``, ``off``, ``false`` or ``no`` (any case, spaces
+    around ignored)."""
+    return os.environ.get(name, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def chatkv_home() -> Path:
     """The directory chatkv keeps its state in: ``$CHATKV_HOME``, else the user data dir.
 

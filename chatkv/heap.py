@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
+
+from chatkv.config import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ _unfrozen = False
 
 def enabled() -> bool:
     """Whether ``$CHATKV_GC_FREEZE`` allows freezing (it does unless set to 0/off/false/no)."""
-    return os.environ.get(FREEZE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return not switched_off(FREEZE_ENV)
 
 
 def freeze() -> bool:

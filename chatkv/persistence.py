@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
 from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION
@@ -102,8 +103,7 @@ def _pin_reader() -> None:
     with _READERS_LOCK:
         index = _READERS_STARTED[0]
         _READERS_STARTED[0] += 1
-    if os.environ.get(PIN_READERS_ENV, "").strip().lower() in ("0", "off", "false", "no") \
-            or not hasattr(os, "sched_setaffinity"):
+    if switched_off(PIN_READERS_ENV) or not hasattr(os, "sched_setaffinity"):
         return
     try:
         cpus = sorted(os.sched_getaffinity(0))

@@ -32,6 +32,8 @@ import time
 import weakref
 from typing import Any, Callable, TypeVar
 
+from chatkv.config import switched_off
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,7 @@ class ThreadGovernor:
         :data:`ADAPT_ENV`, on unless it says off), one thread, or no
         ``/proc`` to read."""
         if setting is None:
-            setting = os.environ.get(ADAPT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+            setting = not switched_off(ADAPT_ENV)
         if not setting or base <= 1:
             return None
         try:
