@@ -209,10 +209,11 @@ def _scratch(masks: dict | None, name: str, shape: tuple[int, ...], like: torch.
     """An uninitialized buffer of ``shape``, on ``like``'s device and of its
     dtype unless ``dtype`` is given, that every layer of a step uses in turn
     (kept in ``masks``, the step's dict, as a flat buffer of the largest size
-    asked for under ``name``); a new one without ``masks``. A layer's products then write the memory the layer before
-    wrote, still in the CPU's caches, rather than memory the allocator hands
-    back in another order (about 2% of a layer's attention over 1.9k keys
-    here). Its contents are the caller's until it asks again."""
+    asked for under ``name``); a new one without ``masks``. A layer's
+    products then write the memory the layer before wrote, still in the
+    CPU's caches, rather than memory the allocator hands back in another
+    order (about 2% of a layer's attention over 1.9k keys here). Its
+    contents are the caller's until it asks again."""
     numel = math.prod(shape)
     dtype = dtype or like.dtype
     if masks is None:
