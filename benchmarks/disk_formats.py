@@ -8,8 +8,8 @@ opens it, and the restore (read, unpack, write into the pool) is timed from
 all alike. Reported per format: bytes per token on disk (measured from the
 chunk files), median restore seconds, restore bandwidth (bytes of pool KV made
 resident per second, against plain reads of the same files from the page
-cache: into reused 8 MB buffers, and into one buffer of their size that, like
-the pool, is not in the CPU's cache), the same restore and read with the files dropped from the page cache
+cache, medians of ``--repeats``: into reused 8 MB buffers, and into one buffer
+of their size that, like the pool, is not in the CPU's cache), the same restore and read with the files dropped from the page cache
 first (``POSIX_FADV_DONTNEED``: read from the device, as after a long idle),
 and the fidelity gate's measure (teacher-forced top-1 agreement and
 mean KL over a reply, :func:`chatkv.fidelity.measure`). The gate's floors are
@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     e.close()
         for fmt, res in results.items():
             files = [Path(p) for p in res.pop("files")]
-            n, t = raw_read(files)
+            n, t = raw_read(files, repeats=args.repeats)
             res["raw_read_bytes_per_s"] = n / t
-            n, t = raw_read_into(files)
+            n, t = raw_read_into(files, repeats=args.repeats)
             res["raw_read_into_bytes_per_s"] = n / t
             evict_page_cache(files)
             n, t = raw_read(files)
@@ -158,8 +158,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     lines.append("restore bandwidth: bytes of KV made resident in the pool per second; plain read: the chunk "
                  "files read whole from the page cache in 8 MB reads whose buffers are reused (so stay in the "
                  "CPU's cache); plain read into memory: the same, into one buffer the size of the files, its "
-                 "pages written before (as a warmed pool's), median of 5; cold: the files dropped from the "
-                 f"page cache first ({exact['cold']}), so read from the device.")
+                 f"pages written before (as a warmed pool's); both medians of {args.repeats} reads; cold: the "
+                 f"files dropped from the page cache first ({exact['cold']}), so read from the device.")
     return "\n".join(lines)
 
 

@@ -129,15 +129,23 @@ def write_json(path: Path | None, data: object, indent: int = 2) -> None:
     path.write_text(json.dumps(data, indent=indent))
 
 
-def raw_read(paths: Iterable[Path]) -> tuple[int, float]:
-    """Read ``paths`` whole with plain ``read`` calls; returns ``(bytes, seconds)``."""
-    total = 0
-    t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                total += len(chunk)
-    return total, time.perf_counter() - t0
+def raw_read(paths: Iterable[Path], repeats: int = 1) -> tuple[int, float]:
+    """Read ``paths`` whole with plain ``read`` calls, ``repeats`` times;
+    returns ``(bytes, median seconds)``. One read of a few tens of MB from
+    the page cache varies twofold on this project's VM (6 to 15 GB/s in one
+    run), so a reference for a median of restores should be a median too;
+    after the first read the files are in the page cache, whatever they were."""
+    paths = list(paths)
+    times = []
+    for _ in range(repeats):
+        total = 0
+        t0 = time.perf_counter()
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                while chunk := f.read(8 << 20):
+                    total += len(chunk)
+        times.append(time.perf_counter() - t0)
+    return total, statistics.median(times)
 
 
 def raw_read_into(paths: Iterable[Path], repeats: int = 5) -> tuple[int, float]:
