@@ -32,6 +32,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ChunkSource": ("store", "ChunkSource"),
     "ChunkMeta": ("chunkfile", "ChunkMeta"),
     "ChunkUsage": ("records", "ChunkUsage"),
+    "Converted": ("chunkfile", "Converted"),
     "CorruptChunkError": ("errors", "CorruptChunkError"),
     "DebrisReport": ("records", "DebrisReport"),
     "DiskGcReport": ("gc", "DiskGcReport"),
@@ -78,7 +79,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkSource", "ChunkUsage",
-    "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
+    "Converted", "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
     "InvalidSessionIdError", "Lease", "LeaseLostError", "LeasedSession", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
@@ -92,7 +93,7 @@ if TYPE_CHECKING:
     from .archive import extract_archive
     from .bundle import BundleLimits, export_session, import_session
     from .chunkfile import FORMAT_VERSION as CHUNK_FORMAT_VERSION
-    from .chunkfile import ChunkFile, ChunkMeta
+    from .chunkfile import ChunkFile, ChunkMeta, Converted
     from .errors import (
         BundleError,
         CorruptChunkError,

@@ -31,9 +31,10 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -507,6 +508,25 @@ def read_chunk_file(
     return ChunkFile(expected_hash, parent, token_ids, tensors, md)
 
 
+@dataclass(frozen=True)
+class Converted:
+    """A tensor that :meth:`ChunkReader.read_into` converts as it reads it
+    (where :meth:`ChunkReader.converts`): its elements (int8, float8 e4m3fn,
+    float16, bfloat16 or float32 in the file), each row of ``row`` of them
+    multiplied by that row's float32 in the chunk's tensor ``scale`` (None:
+    not scaled), computed in float32 and rounded once (to nearest even) to
+    ``dtype`` (float32 or bfloat16), fill ``buffers`` in order: writable,
+    C-contiguous, together exactly the tensor's elements in ``dtype``, each
+    whole rows. What a quantized tensor dequantizes to, without its codes
+    ever being in memory whole (see :mod:`.nativeread`).
+    """
+
+    buffers: Sequence[Any]
+    dtype: torch.dtype
+    row: int
+    scale: str | None = None
+
+
 class ChunkReader:
     """A chunk file whose header, name, fingerprint and token ids are checked,
     and whose tensors are read on demand straight into memory the caller names.
@@ -553,29 +573,50 @@ class ChunkReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_into(self, buffers: Mapping[str, Sequence[Any]], *, verify: bool = True) -> dict[str, torch.Tensor]:
+    def converts(self) -> bool:
+        """Whether :meth:`read_into` can convert tensors as it reads them
+        (``converted``): the native reads are ready (:func:`.nativeread.reader`)
+        and the file's checksum is the xxh3-128 they compute."""
+        return nativeread.reader() is not None and (self.metadata.get("checksum") or "").startswith("xxh3_128:")
+
+    def read_into(self, buffers: Mapping[str, Sequence[Any]], *, verify: bool = True,
+                  converted: Mapping[str, Converted] | None = None) -> dict[str, torch.Tensor]:
         """Read every tensor: each one named in ``buffers`` into those writable
         buffers (bytes-like, C-contiguous), which it fills in order and which
-        together hold exactly its bytes; every other one into new memory. With
-        ``verify``, check the payload checksum over what was read, fed a
-        slice (:data:`HASHED_READ_BYTES`) at a time as each one lands.
+        together hold exactly its bytes; each one named in ``converted`` as
+        that says (only where :meth:`converts`; its scales are read first);
+        every other one into new memory. With ``verify``, check the payload
+        checksum over what was read, fed a slice (:data:`HASHED_READ_BYTES`)
+        at a time as each one lands.
 
         Returns:
-            The tensors read into new memory, by name (not those in ``buffers``).
+            The tensors read into new memory, by name (not those in ``buffers``
+            or ``converted``; the scales of ``converted`` among them).
 
         Raises:
-            ValueError: ``buffers`` names an unknown tensor or does not add up to its size.
+            ValueError: ``buffers`` or ``converted`` names an unknown tensor, or one
+                that does not add up to its size or cannot be converted so, or
+                ``converted`` is given where :meth:`converts` is False; nothing
+                was read.
             CorruptChunkError: the file ends early or the checksum does not match;
                 the caller's buffers then hold unverified bytes.
         """
         import torch
 
-        unknown = set(buffers) - set(self.shapes)
+        converted = converted or {}
+        unknown = (set(buffers) | set(converted)) - set(self.shapes)
         if unknown:
             raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
+        plans = {name: self._conversion(name, c) for name, c in converted.items()}
+        scales = {c.scale for c in converted.values() if c.scale is not None}
+        if scales & (set(buffers) | set(converted)):
+            raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
+                             "not into buffers or converted")
         fresh: dict[str, torch.Tensor] = {}
         views: dict[str, list[memoryview]] = {}
         for name, (_, nbytes) in self._spans.items():
+            if name in converted:
+                continue
             if name in buffers:
                 bufs = [memoryview(b).cast("B") for b in buffers[name]]
                 if sum(b.nbytes for b in bufs) != nbytes:
@@ -586,6 +627,16 @@ class ChunkReader:
                 fresh[name] = torch.empty(shape, dtype=dtype)
                 bufs = [fresh[name].view(-1).view(torch.uint8).numpy().data] if nbytes else []
             views[name] = bufs
+        for name in scales:  # before the tensors they scale; hashed from memory in their turn
+            _preadv_all(self._fd, views[name], self._spans[name][0], self.hash)
+        plans = {name: self._scaled(*plan, None if c.scale is None else fresh[c.scale])
+                 for (name, plan), c in zip(plans.items(), converted.values())}
+        plan = self._checksum_plan(views, plans, scales)
+        if converted:  # only the native reads convert
+            hexdigest = self._read_native(nativeread.reader(), plan)  # type: ignore[arg-type]
+            if verify:
+                _check_hexdigest(self.metadata, hexdigest, self.hash)
+            return fresh
         if not verify:
             for name, bufs in views.items():
                 _preadv_all(self._fd, bufs, self._spans[name][0], self.hash)
@@ -595,12 +646,11 @@ class ChunkReader:
         # the core's cache. Hashing whole chunks from memory after reading them
         # took a fifth of a restore (12.3 against 9.9 ms at 1.9k tokens).
         h = _file_hasher(self.metadata, self.hash)
-        plan = self._checksum_plan(views)
         native = nativeread.reader() if isinstance(h, xxhash.xxh3_128) else None
         if native is not None:  # the same reads and digest in one call, without the GIL
             _check_hexdigest(self.metadata, self._read_native(native, plan), self.hash)
             return fresh
-        for header, bufs, offset in plan:
+        for header, bufs, offset, _ in plan:
             h.update(header)
             if offset is None:
                 for b in bufs:
@@ -610,35 +660,96 @@ class ChunkReader:
         _check_checksum(self.metadata, h, self.hash)
         return fresh
 
-    def _checksum_plan(self, views: Mapping[str, list[memoryview]]
-                       ) -> list[tuple[bytes, Sequence[Any], int | None]]:
+    def _conversion(self, name: str, converted: Converted) -> tuple[list[Any], list[nativeread.Convert]]:
+        """``converted``'s buffers as C-contiguous byte views, and the
+        conversion of each for tensor ``name`` (without scales: see :meth:`_scaled`).
+
+        Raises:
+            ValueError: it cannot be converted so, or :meth:`converts` is False.
+        """
+        import torch
+
+        if not self.converts():
+            raise ValueError(f"chunk {self.hash[:12]}: converted reads need the native reads and an xxh3-128 "
+                             "checksum")
+        dtype, shape = self.shapes[name]
+        source, target = str(dtype).removeprefix("torch."), str(converted.dtype).removeprefix("torch.")
+        if source not in nativeread.SOURCE_TYPES or target not in nativeread.TARGET_TYPES:
+            raise ValueError(f"no conversion of tensor {name!r} from {source} to {target}")
+        count = math.prod(shape)
+        row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
+        bufs = [memoryview(b).cast("B") for b in converted.buffers]
+        if row < 1 or count % row or any(b.nbytes % (row * target_size) for b in bufs) \
+                or sum(b.nbytes for b in bufs) != count * target_size:
+            raise ValueError(f"buffers for tensor {name!r} do not hold its {count} elements as whole rows of "
+                             f"{row} {target}")
+        if converted.scale is not None:
+            if self.shapes.get(converted.scale, (None, ()))[0] != torch.float32:
+                raise ValueError(f"chunk {self.hash[:12]} has no float32 tensor {converted.scale!r}")
+            scale_count = math.prod(self.shapes[converted.scale][1])
+            if scale_count * row != count:
+                raise ValueError(f"tensor {converted.scale!r} holds {scale_count} scales, not one per row of "
+                                 f"{name!r} ({count // row})")
+        return bufs, [nativeread.Convert(source, target, row)] * len(bufs)
+
+    @staticmethod
+    def _scaled(bufs: list[Any], converts: list[nativeread.Convert], scale: torch.Tensor | None,
+                ) -> tuple[list[Any], list[nativeread.Convert]]:
+        """``(bufs, converts)`` (:meth:`_conversion`), each conversion given
+        the rows of ``scale`` (read, float32) its buffer needs."""
+        if scale is None:
+            return bufs, converts
+        flat, out, at = scale.view(-1).numpy(), [], 0
+        for b, c in zip(bufs, converts):
+            rows = b.nbytes // (c.row * nativeread.TARGET_TYPES[c.target][1])
+            out.append(replace(c, scale=flat[at: at + rows]))
+            at += rows
+        return bufs, out
+
+    def _checksum_plan(self, views: Mapping[str, list[memoryview]],
+                       converted: Mapping[str, tuple[list[Any], list[nativeread.Convert]]] | None = None,
+                       in_memory: set[str] | None = None,
+                       ) -> list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]]:
         """What the payload checksum covers, in its order (:func:`_feed`'s):
         for each tensor, ``(its header, the buffers its bytes go to or are
-        in, its offset in the file)``, the offset None for the token ids
-        (already in memory: hashed, not read)."""
-        plan: list[tuple[bytes, Sequence[Any], int | None]] = []
-        for name in sorted([*views, TOKEN_IDS_KEY]):
+        in, its offset in the file, how each buffer is converted or None)``,
+        the offset None for the token ids and the tensors ``in_memory``
+        (already read: hashed, not read again)."""
+        converted = converted or {}
+        in_memory = in_memory or set()
+        plan: list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]] = []
+        for name in sorted([*views, *converted, TOKEN_IDS_KEY]):
             if name == TOKEN_IDS_KEY:
                 dtype, shape, buffers = _entry(self._ids)
-                plan.append((_entry_header(name, dtype, shape), buffers, None))
+                plan.append((_entry_header(name, dtype, shape), buffers, None, None))
+                continue
+            header = _entry_header(name, *self.shapes[name])
+            if name in converted:
+                bufs, converts = converted[name]
+                plan.append((header, bufs, self._spans[name][0], converts))
             else:
-                plan.append((_entry_header(name, *self.shapes[name]), views[name], self._spans[name][0]))
+                plan.append((header, views[name], None if name in in_memory else self._spans[name][0], None))
         return plan
 
     def _read_native(self, native: nativeread.NativeReads,
-                     plan: list[tuple[bytes, Sequence[Any], int | None]]) -> str:
+                     plan: list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]]) -> str:
         """:meth:`read_into`'s reads and payload checksum through ``native``
         (:mod:`.nativeread`): ``plan`` (:meth:`_checksum_plan`) as pieces, in
         one call. Returns the hex digest. Raises CorruptChunkError at an early end."""
-        pieces: list[tuple[Any, int]] = []
-        for header, bufs, offset in plan:
+        pieces: list[tuple[Any, ...]] = []
+        for header, bufs, offset, converts in plan:
             pieces.append((header, -1))
-            for b in bufs:
+            for i, b in enumerate(bufs):
                 if offset is None:  # hashed only
                     pieces.append((b, -1))
-                else:
+                elif converts is None:
                     pieces.append((b, offset))
                     offset += memoryview(b).nbytes
+                else:
+                    convert = converts[i]
+                    pieces.append((b, offset, convert))
+                    offset += memoryview(b).nbytes // nativeread.TARGET_TYPES[convert.target][1] \
+                        * nativeread.SOURCE_TYPES[convert.source][1]
         try:
             return native.read_hashed(self._fd, pieces, HASHED_READ_BYTES)
         except EOFError:

@@ -19,6 +19,17 @@ one engine restored a 1,494-token bfloat16 session from the page cache in
 6.49 ms this way against 7.36 through Python (20 restores each, alternating;
 this project's 2-CPU AMD VM).
 
+The same call converts a compact chunk's codes as they land
+(:class:`Convert`): each slice of whole rows is read into memory of the
+call's own (in the core's cache), hashed there, and written where it goes,
+each row times its float32 scale, rounded once to float32 or bfloat16: what
+:mod:`chatkv.quant` computes for int8, fp8 and the float16/bfloat16 casts,
+bit for bit (checked on probe rows of every type before use). A compact
+chunk is then one pass from the page cache into the pool, in the reader
+threads, instead of a read into memory and a dequantization by the engine's
+loop. The conversions are built for AVX-512, AVX2 and any x86-64 where the
+compiler is GCC 12 or later (``target_clones``); elsewhere once, plainly.
+
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
 into the user's cache directory (``readhash-<tag>.so``, the tag a hash of the
@@ -37,11 +48,13 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sysconfig
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,53 +63,241 @@ log = logging.getLogger(__name__)
 #: ``0`` keeps chunk reads in Python (:func:`reader` returns None).
 NATIVE_ENV = "CHATKV_NATIVE_READ"
 
-#: What :func:`chatkv_read_hashed` returns when the file ends before the pieces do.
+#: What :func:`chatkv_read_pieces` returns when the file ends before the pieces do.
 _SHORT_READ = -(1 << 40)
+
+#: Element types a converted piece may hold in the file (:class:`Convert`), by
+#: name as torch spells them, with their code in the C source and their size.
+SOURCE_TYPES: dict[str, tuple[int, int]] = {
+    "int8": (1, 1), "float8_e4m3fn": (2, 1), "float16": (3, 2), "bfloat16": (4, 2), "float32": (5, 4)}
+#: Element types a converted piece may be written as, likewise.
+TARGET_TYPES: dict[str, tuple[int, int]] = {"float32": (1, 4), "bfloat16": (2, 2)}
 
 _SOURCE = r"""
 #include <errno.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 typedef int (*chatkv_update_fn)(void *state, const void *input, size_t length);
 
-/* For each of the n pieces in order: where off[i] < 0, feed the len[i] bytes
-   at addr[i] to the hash; else fill them from fd at offset off[i], at most
-   slice bytes per pread, feeding each slice to the hash as soon as it lands.
-   Returns the bytes read from fd, -errno after a failed read, or
-   -(1 << 40) when the file ends before the pieces do. */
-long long chatkv_read_hashed(int fd, long long n, const long long *addr, const long long *len,
-                             const long long *off, long long slice, void *state, chatkv_update_fn update)
+/* Element types of a converted piece: in the file, then where it goes. */
+enum { SRC_INT8 = 1, SRC_E4M3 = 2, SRC_F16 = 3, SRC_BF16 = 4, SRC_F32 = 5 };
+enum { DST_F32 = 1, DST_BF16 = 2 };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+/* Conversions built three times (AVX-512, AVX2, any x86-64); the loader picks one. */
+#define CHATKV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CHATKV_CLONES
+#endif
+
+static inline float chatkv_from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+/* float32 to bfloat16, rounded to nearest even (as torch rounds); a NaN is 0x7fc0. */
+static inline uint16_t chatkv_bf16(float f)
 {
-    long long total = 0;
-    for (long long i = 0; i < n; i++) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0u;
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* float16 to float32, exact, without branches (so that loops of it vectorize):
+   the half's exponent and mantissa bits shifted into place read as a float32
+   2^112 times too small (subnormal halves too), then rescaled exactly;
+   infinities and NaNs get the float32 exponent of all ones instead. */
+static inline float chatkv_f16(uint16_t h)
+{
+    uint32_t bits = (uint32_t)(h & 0x7fffu) << 13, b;
+    float f = chatkv_from_bits(bits) * 0x1p112f;
+    memcpy(&b, &f, 4);
+    b = bits >= 0x0f800000u ? bits | 0x7f800000u : b;
+    return chatkv_from_bits(b | (uint32_t)(h & 0x8000u) << 16);
+}
+
+/* float8 e4m3fn to float32, exact, without branches (as chatkv_f16): no
+   infinities, and S.1111.111 is NaN. */
+static inline float chatkv_e4m3(uint8_t c)
+{
+    uint32_t bits = (uint32_t)(c & 0x7fu) << 20;
+    float f = chatkv_from_bits(bits) * 0x1p120f;
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b = (c & 0x7fu) == 0x7fu ? 0x7fc00000u : b;
+    return chatkv_from_bits(b | (uint32_t)(c & 0x80u) << 24);
+}
+
+#define LOAD_INT8(x) ((float)(x))
+#define LOAD_E4M3(x) chatkv_e4m3(x)
+#define LOAD_F16(x) chatkv_f16(x)
+#define LOAD_BF16(x) chatkv_from_bits((uint32_t)(x) << 16)
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+#define STORE_BF16(x) chatkv_bf16(x)
+
+/* rows of row elements each: out = in * (that row's scale, or 1), computed in
+   float32 and rounded once to the destination type. */
+#define CHATKV_ROWS(name, src_t, dst_t, load, store)                                                \
+    CHATKV_CLONES void name(const src_t *in, dst_t *out, long long rows, long long row,            \
+                            const float *scale)                                                    \
+    {                                                                                               \
+        for (long long r = 0; r < rows; r++) {                                                      \
+            const float s = scale ? scale[r] : 1.0f;                                                \
+            const src_t *a = in + r * row;                                                          \
+            dst_t *o = out + r * row;                                                               \
+            for (long long i = 0; i < row; i++)                                                     \
+                o[i] = store(load(a[i]) * s);                                                       \
+        }                                                                                           \
+    }
+
+CHATKV_ROWS(chatkv_rows_i8_f32, int8_t, float, LOAD_INT8, STORE_F32)
+CHATKV_ROWS(chatkv_rows_i8_bf16, int8_t, uint16_t, LOAD_INT8, STORE_BF16)
+CHATKV_ROWS(chatkv_rows_e4m3_f32, uint8_t, float, LOAD_E4M3, STORE_F32)
+CHATKV_ROWS(chatkv_rows_e4m3_bf16, uint8_t, uint16_t, LOAD_E4M3, STORE_BF16)
+CHATKV_ROWS(chatkv_rows_f16_f32, uint16_t, float, LOAD_F16, STORE_F32)
+CHATKV_ROWS(chatkv_rows_f16_bf16, uint16_t, uint16_t, LOAD_F16, STORE_BF16)
+CHATKV_ROWS(chatkv_rows_bf16_f32, uint16_t, float, LOAD_BF16, STORE_F32)
+CHATKV_ROWS(chatkv_rows_bf16_bf16, uint16_t, uint16_t, LOAD_BF16, STORE_BF16)
+CHATKV_ROWS(chatkv_rows_f32_f32, float, float, LOAD_F32, STORE_F32)
+CHATKV_ROWS(chatkv_rows_f32_bf16, float, uint16_t, LOAD_F32, STORE_BF16)
+
+static void chatkv_convert(long long conv, const void *in, void *out, long long rows, long long row,
+                           const float *scale)
+{
+    switch (conv) {
+    case SRC_INT8 * 16 + DST_F32: chatkv_rows_i8_f32(in, out, rows, row, scale); break;
+    case SRC_INT8 * 16 + DST_BF16: chatkv_rows_i8_bf16(in, out, rows, row, scale); break;
+    case SRC_E4M3 * 16 + DST_F32: chatkv_rows_e4m3_f32(in, out, rows, row, scale); break;
+    case SRC_E4M3 * 16 + DST_BF16: chatkv_rows_e4m3_bf16(in, out, rows, row, scale); break;
+    case SRC_F16 * 16 + DST_F32: chatkv_rows_f16_f32(in, out, rows, row, scale); break;
+    case SRC_F16 * 16 + DST_BF16: chatkv_rows_f16_bf16(in, out, rows, row, scale); break;
+    case SRC_BF16 * 16 + DST_F32: chatkv_rows_bf16_f32(in, out, rows, row, scale); break;
+    case SRC_BF16 * 16 + DST_BF16: chatkv_rows_bf16_bf16(in, out, rows, row, scale); break;
+    case SRC_F32 * 16 + DST_F32: chatkv_rows_f32_f32(in, out, rows, row, scale); break;
+    case SRC_F32 * 16 + DST_BF16: chatkv_rows_f32_bf16(in, out, rows, row, scale); break;
+    }
+}
+
+static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, -errno, or a short read */
+{
+    size_t done = 0;
+    while (done < want) {
+        ssize_t got = pread(fd, p + done, want - done, (off_t)(at + (long long)done));
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -(long long)errno;
+        }
+        if (got == 0)
+            return -(1LL << 40);
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* For each of the n pieces in order: where off[i] < 0, feed the len[i] bytes
+   at addr[i] to the hash; else read len[i] bytes from fd at offset off[i], at
+   most slice bytes per pread, feeding each slice to the hash as soon as it
+   lands: where conv[i] is 0, into addr[i]; else into a staging buffer, from
+   which the slice's rows (row[i] elements each) are converted into addr[i]
+   (conv[i] = 16 * source type + destination type), each multiplied by its
+   float32 scale from scale[i] (an address, or 0 for none). Returns the bytes
+   read from fd, -errno after a failed read or allocation, or -(1 << 40) when
+   the file ends before the pieces do. */
+long long chatkv_read_pieces(int fd, long long n, const long long *addr, const long long *len,
+                             const long long *off, const long long *conv, const long long *row,
+                             const long long *scale, long long slice, void *state, chatkv_update_fn update)
+{
+    static const size_t src_size[] = {0, 1, 1, 2, 2, 4}, dst_size[] = {0, 4, 2};
+    long long total = 0, status = 0;
+    char *stage = NULL;
+    size_t staged = 0;
+    for (long long i = 0; i < n && status == 0; i++) {
         char *p = (char *)(size_t)addr[i];
         long long left = len[i], at = off[i];
         if (at < 0) {
             update(state, p, (size_t)left);
             continue;
         }
-        while (left > 0) {
-            size_t want = left < slice ? (size_t)left : (size_t)slice;
-            ssize_t got = pread(fd, p, want, (off_t)at);
-            if (got < 0) {
-                if (errno == EINTR)
-                    continue;
-                return -(long long)errno;
+        if (conv[i] == 0) {
+            while (left > 0 && status == 0) {
+                size_t want = left < slice ? (size_t)left : (size_t)slice;
+                ssize_t got = pread(fd, p, want, (off_t)at);
+                if (got < 0) {
+                    if (errno == EINTR)
+                        continue;
+                    status = -(long long)errno;
+                } else if (got == 0) {
+                    status = -(1LL << 40);
+                } else {
+                    update(state, p, (size_t)got);
+                    p += got;
+                    at += got;
+                    left -= got;
+                    total += got;
+                }
             }
-            if (got == 0)
-                return -(1LL << 40);
-            update(state, p, (size_t)got);
-            p += got;
-            at += got;
-            left -= got;
-            total += got;
+            continue;
+        }
+        const long long src = conv[i] / 16, dst = conv[i] % 16;
+        const long long row_bytes = row[i] * (long long)src_size[src];
+        const float *sc = scale[i] ? (const float *)(size_t)scale[i] : NULL;
+        long long per = slice / row_bytes;
+        if (per < 1)
+            per = 1;
+        if ((size_t)(per * row_bytes) > staged) {
+            free(stage);
+            staged = (size_t)(per * row_bytes);
+            stage = malloc(staged);
+            if (!stage) {
+                status = -(long long)ENOMEM;
+                break;
+            }
+        }
+        while (left > 0) {
+            long long rows = left / row_bytes < per ? left / row_bytes : per;
+            size_t want = (size_t)(rows * row_bytes);
+            status = chatkv_fill(fd, stage, want, at);
+            if (status != 0)
+                break;
+            update(state, stage, want);
+            chatkv_convert(conv[i], stage, p, rows, row[i], sc);
+            p += rows * row[i] * (long long)dst_size[dst];
+            if (sc)
+                sc += rows;
+            at += (long long)want;
+            left -= (long long)want;
+            total += (long long)want;
         }
     }
-    return total;
+    free(stage);
+    return status != 0 ? status : total;
 }
 """
+
+
+@dataclass(frozen=True)
+class Convert:
+    """How a piece read from the file is written (:meth:`NativeReads.read_hashed`).
+
+    Attributes:
+        source: the elements' type in the file (:data:`SOURCE_TYPES`).
+        target: their type where they go (:data:`TARGET_TYPES`).
+        row: elements per row; the piece's bytes are whole rows.
+        scale: a buffer of one float32 per row of the piece, each row's
+            elements multiplied by it (in float32, rounded once to
+            ``target``), or None for no scaling (a plain cast).
+    """
+
+    source: str
+    target: str
+    row: int
+    scale: Any = None
 
 
 class _Hash128(ctypes.Structure):
@@ -118,10 +319,9 @@ class NativeReads:
         lib = ctypes.CDLL(str(library))
         xx = ctypes.CDLL(xxhash_library)
         ll = ctypes.c_longlong
-        self._read = lib.chatkv_read_hashed
+        self._read = lib.chatkv_read_pieces
         self._read.restype = ll
-        self._read.argtypes = [ctypes.c_int, ll, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ll,
-                               ctypes.c_void_p, ctypes.c_void_p]
+        self._read.argtypes = [ctypes.c_int, ll, *[ctypes.c_void_p] * 6, ll, ctypes.c_void_p, ctypes.c_void_p]
         self._create = xx.XXH3_createState
         self._create.restype = ctypes.c_void_p
         self._create.argtypes = []
@@ -137,32 +337,49 @@ class NativeReads:
         self._update = ctypes.cast(xx.XXH3_128bits_update_dispatch, ctypes.c_void_p).value
         self._libraries = (lib, xx)  # kept loaded
 
-    def read_hashed(self, fd: int, pieces: Sequence[tuple[Any, int]], slice_bytes: int) -> str:
+    def read_hashed(self, fd: int, pieces: Sequence[tuple[Any, ...]], slice_bytes: int) -> str:
         """Fill and hash ``pieces`` in order, in one call that releases the GIL:
         each ``(buffer, offset)`` with ``offset >= 0`` is filled from ``fd`` at
         that offset (a writable buffer, C-contiguous), ``slice_bytes`` per
         ``pread``, each slice hashed as it lands; one with ``offset < 0`` (any
-        buffer, ``bytes`` included) is only hashed. Returns xxh3-128's hex
-        digest of all of it, as ``xxhash.xxh3_128().hexdigest()`` gives.
+        buffer, ``bytes`` included) is only hashed. A ``(buffer, offset,
+        convert)`` piece (:class:`Convert`) reads the elements that fill
+        ``buffer`` once converted: each slice of whole rows is read into
+        memory of the call's own, hashed there, and converted into
+        ``buffer``. Returns xxh3-128's hex digest of all the bytes read or
+        hashed, in order, as ``xxhash.xxh3_128().hexdigest()`` gives.
 
         Raises:
             EOFError: the file ends before the pieces do (what landed is unverified).
             OSError: a read failed.
             TypeError: a piece to be filled is read-only (nothing was read).
-            ValueError: a piece is not C-contiguous (nothing was read).
+            ValueError: a piece is not C-contiguous, or a conversion does not fit
+                its piece (unknown types, not whole rows, too few scales);
+                nothing was read.
         """
         addresses: list[int] = []
         lengths: list[int] = []
         offsets: list[int] = []
+        conversions: list[int] = []
+        rows: list[int] = []
+        scales: list[int] = []
         pinned: list[Any] = []  # the buffers' exports, alive until the call returns
-        for buf, offset in pieces:
+        for buf, offset, *more in pieces:
             address, size = self._address(buf, pinned, filled=offset >= 0)
+            convert: Convert | None = more[0] if more else None
+            code, row, scale = 0, 0, 0
+            if convert is not None and offset >= 0 and size:
+                code, row, scale, size = self._conversion(convert, size, pinned)
             if size:
                 addresses.append(address)
                 lengths.append(size)
                 offsets.append(offset)
+                conversions.append(code)
+                rows.append(row)
+                scales.append(scale)
         n = len(addresses)
-        arrays = [(ctypes.c_longlong * n)(*values) for values in (addresses, lengths, offsets)]
+        arrays = [(ctypes.c_longlong * n)(*values) for values in (addresses, lengths, offsets, conversions, rows,
+                                                                  scales)]
         state = self._create()
         if not state:
             raise MemoryError("XXH3_createState failed")
@@ -177,6 +394,29 @@ class NativeReads:
         finally:
             self._free(state)
         return f"{digest.high64:016x}{digest.low64:016x}"
+
+    def _conversion(self, convert: Convert, size: int, pinned: list[Any]) -> tuple[int, int, int, int]:
+        """``(code, row, scale address or 0, bytes to read)`` of ``convert``
+        for a destination of ``size`` bytes, the scales' export kept in ``pinned``.
+
+        Raises:
+            ValueError: unknown types, a destination of partial rows, or fewer scales than rows.
+        """
+        if convert.source not in SOURCE_TYPES or convert.target not in TARGET_TYPES:
+            raise ValueError(f"no conversion from {convert.source!r} to {convert.target!r}")
+        source, source_size = SOURCE_TYPES[convert.source]
+        target, target_size = TARGET_TYPES[convert.target]
+        row_bytes = convert.row * target_size
+        if convert.row < 1 or size % row_bytes:
+            raise ValueError(f"a piece of {size} bytes is not whole rows of {convert.row} {convert.target}")
+        n_rows = size // row_bytes
+        scale = 0
+        if convert.scale is not None:
+            view = memoryview(convert.scale)
+            if view.nbytes < 4 * n_rows:
+                raise ValueError(f"{view.nbytes // 4} scales for {n_rows} rows")
+            scale, _ = self._address(convert.scale, pinned, filled=not view.readonly)
+        return source * 16 + target, convert.row, scale, n_rows * convert.row * source_size
 
     @staticmethod
     def _address(buf: Any, pinned: list[Any], filled: bool) -> tuple[int, int]:
@@ -319,7 +559,8 @@ def _build(compiler: list[str]) -> Path:
     Raises:
         OSError: compiling failed (its message included).
     """
-    tag = hashlib.sha256("\0".join([_SOURCE, *compiler, platform.machine()]).encode()).hexdigest()[:16]
+    flags = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]  # no fused multiply-adds: torch's rounding
+    tag = hashlib.sha256("\0".join([_SOURCE, *compiler, *flags, platform.machine()]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     library = out_dir / f"readhash-{tag}.so"
     if library.is_file():
@@ -328,7 +569,7 @@ def _build(compiler: list[str]) -> Path:
         source = Path(tmp) / "readhash.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / library.name
-        done = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+        done = subprocess.run([*compiler, *flags, "-o", str(built), str(source)],
                               capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0 or not built.is_file():
             raise OSError(errno.ENOEXEC, f"compiling the native reads failed: {(done.stderr or done.stdout)[-500:]}")
@@ -361,4 +602,72 @@ def _self_test(reads: NativeReads) -> str | None:
     expected = xxhash.xxh3_128(header + payload + b"tail").hexdigest()
     if digest != expected:
         return f"digest {digest} where xxhash gives {expected}"
+    return _self_test_conversions(reads)
+
+
+def _self_test_conversions(reads: NativeReads) -> str | None:
+    """Convert probe rows of every source type into every target type; None
+    when every value and the digest agree with the same arithmetic done here
+    (float32 products rounded by ``struct``, bfloat16 rounded to nearest even),
+    else what differs."""
+    import random
+
+    import xxhash
+
+    rng = random.Random(7)
+    row = 5
+    scales = [struct.unpack("<f", struct.pack("<f", x))[0]  # float32 values, as the C code reads them
+              for x in (0.0, 1.0, 3.0517578125e-05, 0.0123456, 7.5, 1e-30, 1e-40)]
+    codes: dict[str, list[int]] = {  # the bit patterns in the file (no NaN)
+        "int8": [rng.randrange(256) for _ in range(row * len(scales))],
+        "float8_e4m3fn": [c for c in range(256) if c & 0x7F != 0x7F][: row * len(scales)],
+        "float16": [rng.choice([rng.randrange(0x7C00), 0x8000 | rng.randrange(0x7C00), 0x7C00, 1, 0x8001])
+                    for _ in range(row * len(scales))],
+        "bfloat16": [rng.randrange(0x7F80) | rng.choice([0, 0x8000]) for _ in range(row * len(scales))],
+        "float32": [_f32_bits(rng.uniform(-1e4, 1e4)) for _ in range(row * len(scales))],
+    }
+    scale_bytes = struct.pack(f"<{len(scales)}f", *scales)
+    for source, bits in codes.items():
+        size = SOURCE_TYPES[source][1]
+        data = b"".join(b.to_bytes(size, "little") for b in bits)
+        scaled = source in ("int8", "float8_e4m3fn")
+        values = [_decoded(source, b) * (scales[i // row] if scaled else 1.0) for i, b in enumerate(bits)]
+        for target, (_, target_size) in TARGET_TYPES.items():
+            out = bytearray(len(bits) * target_size)
+            with tempfile.TemporaryFile() as f:
+                f.write(b"pad" + data)
+                f.flush()
+                convert = Convert(source, target, row, bytearray(scale_bytes) if scaled else None)
+                digest = reads.read_hashed(f.fileno(), [(out, 3, convert)], 2 * row * size)
+            if digest != xxhash.xxh3_128(data).hexdigest():
+                return f"the digest of {source} read to convert differs"
+            got = [int.from_bytes(out[i: i + target_size], "little") for i in range(0, len(out), target_size)]
+            want = [_f32_bits(v) if target == "float32" else _bf16_bits(v) for v in values]
+            if got != want:
+                return f"{source} converted to {target} differs"
     return None
+
+
+def _f32_bits(x: float) -> int:
+    """The bits of ``x`` rounded to float32 (to nearest even)."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _bf16_bits(x: float) -> int:
+    """The bits of ``x`` rounded to float32, then to bfloat16 (to nearest even)."""
+    b = _f32_bits(x)
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+def _decoded(source: str, bits: int) -> float:
+    """The value of one element of ``source`` type with these bits (no NaN)."""
+    if source == "int8":
+        return float(bits - 256 if bits > 127 else bits)
+    if source == "float16":
+        return struct.unpack("<e", bits.to_bytes(2, "little"))[0]
+    if source == "bfloat16":
+        return struct.unpack("<f", (bits << 16).to_bytes(4, "little"))[0]
+    if source == "float32":
+        return struct.unpack("<f", bits.to_bytes(4, "little"))[0]
+    sign, e, m = -1.0 if bits & 0x80 else 1.0, (bits >> 3) & 15, bits & 7  # float8 e4m3fn
+    return sign * (m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))

@@ -41,6 +41,7 @@ from .chunkfile import (
     ChunkMeta,
     atomic_write,
     ChunkReader,
+    Converted,
     encode_chunk,
     ensure_dir,
     open_chunk_file,
@@ -1510,19 +1511,27 @@ class ChunkSource:
         self.token_ids: list[int] = reader.token_ids
         self.shapes = reader.shapes
 
-    def read_into(self, buffers: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    def converts(self) -> bool:
+        """Whether :meth:`read_into` can convert tensors as it reads them (see
+        :meth:`~.chunkfile.ChunkReader.converts`)."""
+        return self._reader.converts()
+
+    def read_into(self, buffers: Mapping[str, Sequence[Any]],
+                  converted: Mapping[str, Converted] | None = None) -> dict[str, Any]:
         """Read and verify the chunk's tensors, those named in ``buffers`` into
-        those buffers (see :meth:`~.chunkfile.ChunkReader.read_into`); returns
-        the others, read into new memory. Closes the file.
+        those buffers and those named in ``converted`` converted into theirs
+        (see :meth:`~.chunkfile.ChunkReader.read_into`); returns the others,
+        read into new memory. Closes the file.
 
         Raises:
             CorruptChunkError: after quarantining the chunk; the caller's
                 buffers then hold unverified bytes and must not be used.
-            ValueError: ``buffers`` do not fit the chunk's tensors.
+            ValueError: ``buffers`` or ``converted`` do not fit the chunk's
+                tensors (the chunk is not quarantined for that).
         """
         try:
             with self._store._quarantined_on_failure(self.info):
-                return self._reader.read_into(buffers)
+                return self._reader.read_into(buffers, converted=converted)
         finally:
             self._reader.close()
 

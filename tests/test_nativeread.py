@@ -65,3 +65,64 @@ def test_the_environment_switch_and_a_failing_compiler_keep_reads_in_python(monk
     monkeypatch.setattr(nativeread, "_compiler", lambda: failing)
     reads, why = nativeread._prepare()
     assert reads is None and "compiling the native reads failed" in why and "no such compiler" in why
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp16", "bf16", "none"])
+@pytest.mark.parametrize("target", ["float32", "bfloat16"])
+@pytest.mark.parametrize("slice_bytes", [100, 4096, 1 << 20])
+def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativeread.NativeReads, tmp_path: Path,
+                                                                  scheme: str, target: str,
+                                                                  slice_bytes: int) -> None:
+    """Codes read from a file and converted as they land (split over two
+    destination pieces, the second at an odd row) hold exactly what
+    chatkv.quant's dequantization writes into a tensor of the target dtype,
+    and the digest is that of the codes' bytes."""
+    import torch
+
+    from chatkv.quant import dequantize_rows_into, quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 16, 2, 64) * torch.logspace(-3, 2, 64)  # rows of very different magnitudes
+    q = quantize(x, "k", scheme) if scheme != "none" else None
+    codes = x.to(torch.float32) if q is None else q.data
+    out_dtype = getattr(torch, target)
+    want = torch.empty(x.shape, dtype=out_dtype)
+    if q is None:
+        want.copy_(codes)
+    else:
+        dequantize_rows_into(scheme, q.data, q.scale, want)
+    raw = codes.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    path = tmp_path / "codes"
+    path.write_bytes(b"pad!" + raw)
+    got = torch.full(x.shape, 7.0, dtype=out_dtype)
+    rows = got.view(-1, 64)
+    cut = 37
+    source = str(codes.dtype).removeprefix("torch.")
+    scale = None if q is None or q.scale is None else q.scale.contiguous().view(-1)
+    pieces = []
+    for lo, hi in ((0, cut), (cut, rows.shape[0])):
+        convert = nativeread.Convert(source, target, 64, None if scale is None else scale[lo:].numpy())
+        pieces.append((rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * 64 * codes.element_size(), convert))
+    with open(path, "rb") as f:
+        digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert digest == xxhash.xxh3_128(raw).hexdigest()
+
+
+def test_a_conversion_that_does_not_fit_its_piece_is_refused_before_reading(reads: nativeread.NativeReads,
+                                                                            tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(100)))
+    target = bytearray(b"\xee" * 40)  # 10 float32
+    cases = {
+        "no conversion": nativeread.Convert("int4", "float32", 5),
+        "not whole rows": nativeread.Convert("int8", "float32", 3),
+        "2 scales for 5 rows": nativeread.Convert("int8", "float32", 2, bytearray(8)),
+    }
+    with open(path, "rb") as f:
+        for match, convert in cases.items():
+            with pytest.raises(ValueError, match=match):
+                reads.read_hashed(f.fileno(), [(target, 0, convert)], 4096)
+            assert target == bytearray(b"\xee" * 40)
+        with pytest.raises(EOFError):  # 10 int8 codes wanted at 95: the file ends first
+            reads.read_hashed(f.fileno(), [(target, 95, nativeread.Convert("int8", "float32", 5))], 4096)

@@ -344,3 +344,48 @@ def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
     with pytest.raises(CorruptChunkError, match="tokens differ"):
         list(kv)
     assert not store.has_chunk(r.chunks[0].hash)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_into_converts_scaled_codes_as_it_reads_them(store: Store, chunk_reads, dtype) -> None:
+    """A chunk's int8 codes, converted as they are read into the caller's
+    buffers (split mid-tensor), hold their codes times their row's scale,
+    rounded once to the buffers' dtype; the scales come back read, the other
+    tensors land as asked, and a flipped code is a checksum mismatch. Without
+    the native reads, asking for a conversion is refused before anything is read."""
+    from chatkv.storage import Converted
+
+    codes = torch.randint(-127, 128, (6, 8), dtype=torch.int8)
+    scale = torch.rand(6) / 100
+    kv = torch.randn(3, 4)
+    store.open_session("s")
+    r = store.save_kv("s", token_ids=list(range(20)), fingerprint=FP,
+                      chunks=[NewChunk(20, {"codes": codes, "scale": scale, "kv": kv}, META)])
+    out = torch.full((6, 8), 5.0, dtype=dtype)
+    rows = out.view(torch.uint8).numpy()
+    converted = {"codes": Converted([rows[:2], rows[2:]], dtype, 8, "scale")}
+    dest = bytearray(kv.numel() * 4)
+    (source,) = list(store.open_kv("s"))
+    if chunk_reads.path == "python":
+        with pytest.raises(ValueError, match="need the native reads"):
+            source.read_into({"kv": [dest]}, converted=converted)
+        assert torch.equal(out, torch.full((6, 8), 5.0, dtype=dtype)) and dest == bytearray(len(dest))
+        return
+    fresh = source.read_into({"kv": [dest]}, converted=converted)
+    assert set(fresh) == {"scale"} and torch.equal(fresh["scale"], scale)
+    assert torch.equal(out, (codes.float() * scale[:, None]).to(dtype))
+    assert torch.equal(torch.frombuffer(dest, dtype=torch.float32).view(3, 4), kv)
+    for bad, match in ((Converted([rows], dtype, 8, "kv"), "holds 12 scales, not one per row"),
+                       (Converted([rows], dtype, 8, "nope"), "no float32 tensor 'nope'"),
+                       (Converted([rows[:1]], dtype, 8, "scale"), "do not hold its 48 elements"),
+                       (Converted([rows], torch.float16, 8, "scale"), "from int8 to float16")):
+        (source,) = list(store.open_kv("s"))
+        with pytest.raises(ValueError, match=match):
+            source.read_into({}, converted={"codes": bad})
+    path = store.path_of(r.chunks[0])
+    data = bytearray(path.read_bytes())
+    data[data.find(codes.numpy().tobytes()) + 40] ^= 0x01
+    path.write_bytes(bytes(data))
+    (source,) = list(store.open_kv("s"))
+    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
+        source.read_into({}, converted=converted)
