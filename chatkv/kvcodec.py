@@ -17,7 +17,7 @@ quantization; ``<part>`` is ``data``, ``scale`` or ``zero``), and ``tail``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -131,6 +131,42 @@ def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
         for i, (data, scale) in enumerate(rows):
             dequantize_rows_into(scheme, data[:, first:upto], None if scale is None else scale[:, first:upto],
                                  out[:, i, : upto - first])
+
+
+#: The codes' dtype of each row-wise scheme in a packed chunk.
+ROWWISE_CODES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, **CAST_DTYPES}
+
+
+def rowwise_layout(shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], scheme: str, block_size: int,
+                   shape: tuple[int, int, int, int, int], dtype: torch.dtype,
+                   ) -> tuple[int, list[tuple[str, str | None]]] | None:
+    """Where a chunk :func:`pack` wrote with a row-wise ``scheme``
+    (:data:`chatkv.quant.ROWWISE_SCHEMES`) keeps the KV ``[L, 2, n, H, D]``
+    (``shape``) of a pool of ``dtype``, for reading it straight into the pool
+    (:class:`chatkv.storage.Converted`): ``(full, parts)``, ``full`` the
+    tokens in quantized blocks and ``parts``, for K then V, the names of the
+    codes (``[L * full // block_size, block_size, H, D]``: layer by layer,
+    token by token, a row of ``D`` per head) and of their float32 scales (one
+    per row; None for a cast scheme). Each row of codes times its scale,
+    rounded once to ``dtype``, is what :func:`unpack` gives; tokens ``full ..
+    n - 1`` are ``tail`` (``[L, 2, n - full, H, D]``, in ``dtype``). None
+    unless ``shapes`` (the chunk's tensors, by name, with their dtypes) are
+    exactly that: such a chunk is read by :func:`unpack_into`, which says
+    what is wrong with it."""
+    L, two, n, h, d = shape
+    if scheme not in ROWWISE_SCHEMES:
+        return None
+    full = (n // block_size) * block_size
+    want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"tail": (dtype, (L, two, n - full, h, d))}
+    parts: list[tuple[str, str | None]] = []
+    for kind in ("k", "v") if full else ():
+        blocks = (L * (full // block_size), block_size, h)
+        want[f"{kind}.data"] = (ROWWISE_CODES[scheme], (*blocks, d))
+        scale = None if scheme in CAST_DTYPES else f"{kind}.scale"
+        if scale is not None:
+            want[scale] = (torch.float32, blocks)
+        parts.append((f"{kind}.data", scale))
+    return (full, parts) if dict(shapes) == want else None
 
 
 def _quantized_spans(targets: list[tuple[int, torch.Tensor]], full: int

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
-from chatkv.kvcodec import pack, packed_format, parse_packed, unpack, unpack_into
+from chatkv.kvcodec import pack, packed_format, parse_packed, rowwise_layout, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
@@ -40,6 +40,8 @@ from chatkv.threads import in_passing_thread
 from chatkv.storage import (
     ChunkInfo,
     ChunkMeta,
+    ChunkSource,
+    Converted,
     CorruptChunkError,
     MissingChunkError,
     NewChunk,
@@ -614,9 +616,8 @@ class KVPersister:
                 skip = max(0, plan.start - off)
                 lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
                 info.bytes_read += chunk.bytes
-                into = (plan.buffers, skip * row, lo * row, hi * row) \
-                    if plan.buffers is not None and base in (DENSE_FORMAT, LOSSY_FORMAT) else None
-                done = readers.submit(self._read_chunk, stored, index, (L, two, n, h, d), into)
+                into = (plan.buffers, skip * row, lo * row, hi * row) if plan.buffers is not None else None
+                done = readers.submit(self._read_chunk, stored, index, base, (L, two, n, h, d), into)
                 submitted.append(done)
                 pending.append(_ChunkRead(done, chunk, base, n, off + n, skip, plan.slots[lo:hi]))
                 off += n
@@ -642,15 +643,17 @@ class KVPersister:
         kept = sum(c.n_tokens for c in chunks)
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
-    def _read_chunk(self, stored: StoredKV, index: int, shape: tuple[int, int, int, int, int],
+    def _read_chunk(self, stored: StoredKV, index: int, base: str, shape: tuple[int, int, int, int, int],
                     into: "tuple[list[list[memoryview]], int, int, int] | None",
                     ) -> "tuple[dict[str, torch.Tensor] | None, bool]":
-        """In a reader thread: open chunk ``index`` of ``stored`` and read it,
-        checksum checked. With ``into`` (the restore's slot buffers per layer
-        and K/V, :attr:`_RestorePlan.buffers`; the bytes of the chunk's tokens
-        in the shared prefix, which go to scratch; and the byte range of its
-        reserved slots in each buffer list) and a KV tensor of the pool's dtype
-        and ``shape``, straight into those slots: returns None. Otherwise into
+        """In a reader thread: open chunk ``index`` of ``stored`` (its format
+        ``base``) and read it, checksum checked. With ``into`` (the restore's
+        slot buffers per layer and K/V, :attr:`_RestorePlan.buffers`; the bytes
+        of the chunk's tokens in the shared prefix, which go to scratch; and
+        the byte range of its reserved slots in each buffer list), straight
+        into those slots where it can be: a KV tensor of the pool's dtype and
+        ``shape`` as it is, a chunk packed with a row-wise scheme dequantized
+        as it is read (:meth:`_converted`); returns None. Otherwise into
         memory of its own: returns its tensors, for :meth:`_fill` on the loop.
         Also returns whether most of its bytes came from the device rather
         than the page cache (:func:`_device_bytes_read`).
@@ -668,10 +671,54 @@ class KVPersister:
                 buffers.extend(_cut(layer, lo, hi))
             source.read_into({KV_TENSOR: buffers})
             return None, False  # (only a chunk the loop writes needs to know)
+        converted = self._converted(source, base, shape, into) if into is not None else None
+        if converted is not None:
+            source.read_into(*converted)
+            return None, False
         before = _device_bytes_read()
         tensors = source.read_into({})
         after = _device_bytes_read()
         return tensors, before is not None and after is not None and 2 * (after - before) > source.info.bytes
+
+    def _converted(self, source: ChunkSource, base: str, shape: tuple[int, int, int, int, int],
+                   into: tuple[list[list[memoryview]], int, int, int],
+                   ) -> "tuple[dict[str, list[memoryview]], dict[str, Converted]] | None":
+        """``(buffers, converted)`` for :meth:`ChunkSource.read_into` that read
+        a chunk packed with a row-wise scheme (int8, fp8, bf16, fp16:
+        :func:`chatkv.kvcodec.rowwise_layout`) straight into its slots
+        (``into``, as :meth:`_read_chunk` takes it), dequantizing the codes
+        as they land, the exact tail read as it is; the same values, bit for
+        bit, as :meth:`_fill` writes. None where it cannot be read so (no
+        native reads, a pool neither float32 nor bfloat16, another format
+        or layout): the chunk is then read into memory and filled by the loop.
+        """
+        import torch
+
+        dtype = self.engine.pool.kv.dtype
+        try:
+            packed = parse_packed(base, KV_FORMAT_VERSION)
+        except ValueError:
+            return None
+        if packed is None or dtype not in (torch.float32, torch.bfloat16) or not source.converts():
+            return None
+        layout = rowwise_layout(source.shapes, packed[0], packed[1], shape, dtype)
+        if layout is None:
+            return None
+        full, parts = layout
+        views, shared, lo, hi = into
+        L, _, n, h, d = shape
+        row = h * d * dtype.itemsize
+        if shared > full * row:  # (a shared prefix ends at a block boundary, inside the quantized blocks)
+            return None
+        edge = lo + full * row - shared  # where the chunk's tail starts in its reserved bytes
+        scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
+        converted = {}
+        for i, (codes, scale) in enumerate(parts):
+            buffers = [piece for layer in range(L) for piece in ([scratch] if shared else []) +
+                       _cut(views[2 * layer + i], lo, edge)]
+            converted[codes] = Converted(buffers, dtype, d, scale)
+        tail = [piece for layer in range(L) for i in range(2) for piece in _cut(views[2 * layer + i], edge, hi)]
+        return {"tail": tail}, converted
 
     def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
               skip: int, slots: list[int]) -> str:

@@ -141,14 +141,15 @@ def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(from_dis
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # The loop's operators and the reader threads on the same cores made both
     # several times slower: on a host pool the loop writes compact chunks into
-    # the pool only while no chunk is being read (from the page cache: reads
-    # that wait for the disk leave the cores free).
+    # the pool (int4's; the row-wise schemes' too without the native reads)
+    # only while no chunk is being read (from the page cache: reads that wait
+    # for the disk leave the cores free).
     exact = _converse(_engine("exact"), "exact-idle")
     want = exact.engine.call(lambda: exact.engine.pool.read_tokens(exact._session.kv.seq, 0,
                                                                    exact.num_cached_tokens).clone())
     exact.close()
-    _converse(_engine("int8"), "int8-idle").close()
-    chunks, info = _chunks("int8-idle")
+    _converse(_engine("int4"), "int4-idle").close()
+    chunks, info = _chunks("int4-idle")
     assert len(chunks) >= 3
     reading = []  # one entry per read in flight
     seen: list[int] = []  # reads in flight as each fill began
@@ -168,15 +169,71 @@ def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(from_dis
     original_read, original_fill = KVPersister._read_chunk, KVPersister._fill
     monkeypatch.setattr(KVPersister, "_read_chunk", read_chunk)
     monkeypatch.setattr(KVPersister, "_fill", fill)
-    again = Chat("int8-idle", engine=_engine("int8"), max_new_tokens=8, chunk_tokens=16)
+    again = Chat("int4-idle", engine=_engine("int4"), max_new_tokens=8, chunk_tokens=16)
     restored = again.wait_restored()
     assert restored.source == "disk" and restored.cached_tokens == info.n_cached and not restored.warning
     assert len(seen) >= len(chunks) - 1  # (the last chunk may be a dense tail)
     if not from_disk:  # (from the disk, each chunk is written as it comes, beside the next reads)
         assert seen == [0] * len(seen)
     got = again.engine.call(lambda: again.engine.pool.read_tokens(again._session.kv.seq, 0, info.n_cached).clone())
-    assert float((got - want).abs().max()) <= TOLERANCE["int8"] * 2 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= TOLERANCE["int4"] * 2 * float(want.abs().max())
     again.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16", "fp16"])
+def test_a_rowwise_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str, dtype: torch.dtype,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native reads, the reader threads write a chunk packed with a
+    row-wise scheme straight into its slots, dequantized as it lands (the
+    loop fills none of them): bit for bit what the loop's fill writes without
+    them, for a session read whole and for one whose start another session
+    holds (its shared tokens' codes read, checked and not written)."""
+    from chatkv.storage import nativeread
+
+    reads = nativeread.wait_prepared(120)
+    if reads is None:
+        pytest.skip(f"native chunk reads unavailable here: {nativeread.unavailable_reason()}")
+    for sid, first in (("a", "Hello there"), ("b", "Hello there, how are you today, my friend?")):
+        chat = Chat(f"{scheme}-{sid}", system="You are terse.", engine=_engine(scheme, dtype=dtype),
+                    max_new_tokens=8, chunk_tokens=16)
+        for text in (first, *TURNS[1:]):
+            chat.send(text)
+        chat.close()
+    fills: list[int] = []
+    shared: list[int] = []
+    original_fill, original_converted = KVPersister._fill, KVPersister._converted
+    monkeypatch.setattr(KVPersister, "_fill", lambda self, *a: fills.append(1) or original_fill(self, *a))
+    monkeypatch.setattr(KVPersister, "_converted",
+                        lambda self, source, base, shape, into: shared.append(into[1])
+                        or original_converted(self, source, base, shape, into))
+    got = {}
+    for native in (False, True):
+        monkeypatch.setattr(nativeread, "reader", (lambda: reads) if native else (lambda: None))
+        fills.clear()
+        engine = _engine(scheme, dtype=dtype)
+        chats, kv = [], {}
+        for sid in ("a", "live", "b"):  # "b" shares its first blocks with "live" (exact KV: shareable)
+            chat = Chat(f"{scheme}-{sid}-{native}" if sid == "live" else f"{scheme}-{sid}", system="You are terse.",
+                        engine=engine, max_new_tokens=8, chunk_tokens=16)
+            chats.append(chat)
+            if sid == "live":
+                chat.send("Hello there")
+                continue
+            restored = chat.wait_restored()
+            assert restored.source == "disk" and restored.cached_tokens > 16 and not restored.warning
+            seq = chat._session.kv.seq
+            kv[sid] = engine.call(lambda: engine.pool.read_tokens(seq, 0, seq.num_computed).clone())
+        got[native] = kv, len(fills)
+        for chat in chats:
+            chat.close()
+    (plain, loop_fills), (native_kv, native_fills) = got[False], got[True]
+    packed = any(":packed-" in c.kv_format for c in _chunks(f"{scheme}-b")[0])
+    assert packed == (scheme != "bf16" or dtype != torch.bfloat16)  # a bfloat16 model's bf16 chunks are exact
+    assert (loop_fills > 0) == packed and native_fills == 0
+    assert any(shared) == packed, shared  # a chunk read past a shared prefix
+    for sid in ("a", "b"):
+        assert torch.equal(native_kv[sid].view(torch.uint8), plain[sid].view(torch.uint8))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
