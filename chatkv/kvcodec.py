@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -133,39 +134,65 @@ def unpack_into(tensors: dict[str, torch.Tensor], scheme: str, block_size: int,
                                  out[:, i, : upto - first])
 
 
-#: The codes' dtype of each row-wise scheme in a packed chunk.
-ROWWISE_CODES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, **CAST_DTYPES}
+#: The codes' dtype of each scheme in a packed chunk but "none".
+PACKED_CODES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8,
+                                        **CAST_DTYPES}
 
 
-def rowwise_layout(shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], scheme: str, block_size: int,
-                   shape: tuple[int, int, int, int, int], dtype: torch.dtype,
-                   ) -> tuple[int, list[tuple[str, str | None]]] | None:
-    """Where a chunk :func:`pack` wrote with a row-wise ``scheme``
-    (:data:`chatkv.quant.ROWWISE_SCHEMES`) keeps the KV ``[L, 2, n, H, D]``
-    (``shape``) of a pool of ``dtype``, for reading it straight into the pool
-    (:class:`chatkv.storage.Converted`): ``(full, parts)``, ``full`` the
-    tokens in quantized blocks and ``parts``, for K then V, the names of the
-    codes (``[L * full // block_size, block_size, H, D]``: layer by layer,
-    token by token, a row of ``D`` per head) and of their float32 scales (one
-    per row; None for a cast scheme). Each row of codes times its scale,
-    rounded once to ``dtype``, is what :func:`unpack` gives; tokens ``full ..
-    n - 1`` are ``tail`` (``[L, 2, n - full, H, D]``, in ``dtype``). None
-    unless ``shapes`` (the chunk's tensors, by name, with their dtypes) are
-    exactly that: such a chunk is read by :func:`unpack_into`, which says
-    what is wrong with it."""
+@dataclass(frozen=True)
+class PackedPart:
+    """Where a packed chunk keeps its keys' or values' quantized tokens (see
+    :func:`packed_layout`): the tensor of ``codes``, read ``row`` elements at
+    a time, each row (a head's channels; for int4 a token's, all heads) times
+    its float32 ``scale`` (None for a cast scheme). int4: ``code * scale +
+    zero`` with float16 ``scale`` and ``zero`` tensors holding a row of them
+    per ``block`` rows (keys) or ``row // group`` per row (values)."""
+
+    codes: str
+    row: int
+    scale: str | None
+    zero: str | None = None
+    block: int = 0
+    group: int = 0
+
+
+def packed_layout(shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], scheme: str, block_size: int,
+                  shape: tuple[int, int, int, int, int], dtype: torch.dtype,
+                  ) -> tuple[int, list[PackedPart]] | None:
+    """Where a chunk :func:`pack` wrote with ``scheme`` (any but "none")
+    keeps the KV ``[L, 2, n, H, D]`` (``shape``) of a pool of ``dtype``, for
+    reading it straight into the pool (:class:`chatkv.storage.Converted`):
+    ``(full, parts)``, ``full`` the tokens in quantized blocks and ``parts``
+    the K and V :class:`PackedPart` (their codes layer by layer, token by
+    token: ``[L * full // block_size, block_size, H, ...]``); what they
+    dequantize to, rounded once to ``dtype``, is what :func:`unpack` gives,
+    bit for bit. Tokens ``full .. n - 1`` are ``tail`` (``[L, 2, n - full, H,
+    D]``, in ``dtype``). None unless ``shapes`` (the chunk's tensors, by
+    name, with their dtypes) are exactly that: such a chunk is read by
+    :func:`unpack_into`, which says what is wrong with it."""
     L, two, n, h, d = shape
-    if scheme not in ROWWISE_SCHEMES:
+    if scheme not in PACKED_CODES or (scheme == "int4" and d % 2):
         return None
     full = (n // block_size) * block_size
     want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"tail": (dtype, (L, two, n - full, h, d))}
-    parts: list[tuple[str, str | None]] = []
+    parts: list[PackedPart] = []
     for kind in ("k", "v") if full else ():
         blocks = (L * (full // block_size), block_size, h)
-        want[f"{kind}.data"] = (ROWWISE_CODES[scheme], (*blocks, d))
-        scale = None if scheme in CAST_DTYPES else f"{kind}.scale"
-        if scale is not None:
+        codes, scale, zero = f"{kind}.data", f"{kind}.scale", f"{kind}.zero"
+        if scheme == "int4":
+            group = int4_group_size(d)
+            want[codes] = (torch.uint8, (*blocks, d // 2))
+            params = (blocks[0], h, d) if kind == "k" else (*blocks, d // group)
+            want[scale] = want[zero] = (torch.float16, params)
+            parts.append(PackedPart(codes, h * d, scale, zero, block_size if kind == "k" else 0,
+                                    group if kind == "v" else 0))
+            continue
+        want[codes] = (PACKED_CODES[scheme], (*blocks, d))
+        if scheme in CAST_DTYPES:
+            parts.append(PackedPart(codes, d, None))
+        else:
             want[scale] = (torch.float32, blocks)
-        parts.append((f"{kind}.data", scale))
+            parts.append(PackedPart(codes, d, scale))
     return (full, parts) if dict(shapes) == want else None
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
-from chatkv.kvcodec import pack, packed_format, parse_packed, rowwise_layout, unpack, unpack_into
+from chatkv.kvcodec import pack, packed_format, packed_layout, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
@@ -652,8 +652,8 @@ class KVPersister:
         of the chunk's tokens in the shared prefix, which go to scratch; and
         the byte range of its reserved slots in each buffer list), straight
         into those slots where it can be: a KV tensor of the pool's dtype and
-        ``shape`` as it is, a chunk packed with a row-wise scheme dequantized
-        as it is read (:meth:`_converted`); returns None. Otherwise into
+        ``shape`` as it is, a compact chunk dequantized as it is read
+        (:meth:`_converted`); returns None. Otherwise into
         memory of its own: returns its tensors, for :meth:`_fill` on the loop.
         Also returns whether most of its bytes came from the device rather
         than the page cache (:func:`_device_bytes_read`).
@@ -684,13 +684,13 @@ class KVPersister:
                    into: tuple[list[list[memoryview]], int, int, int],
                    ) -> "tuple[dict[str, list[memoryview]], dict[str, Converted]] | None":
         """``(buffers, converted)`` for :meth:`ChunkSource.read_into` that read
-        a chunk packed with a row-wise scheme (int8, fp8, bf16, fp16:
-        :func:`chatkv.kvcodec.rowwise_layout`) straight into its slots
-        (``into``, as :meth:`_read_chunk` takes it), dequantizing the codes
-        as they land, the exact tail read as it is; the same values, bit for
-        bit, as :meth:`_fill` writes. None where it cannot be read so (no
-        native reads, a pool neither float32 nor bfloat16, another format
-        or layout): the chunk is then read into memory and filled by the loop.
+        a compact chunk (:func:`chatkv.kvcodec.packed_layout`) straight into
+        its slots (``into``, as :meth:`_read_chunk` takes it), dequantizing
+        the codes as they land, the exact tail read as it is; the same
+        values, bit for bit, as :meth:`_fill` writes. None where it cannot be
+        read so (no native reads, a pool neither float32 nor bfloat16,
+        another format or layout): the chunk is then read into memory and
+        filled by the loop.
         """
         import torch
 
@@ -701,7 +701,7 @@ class KVPersister:
             return None
         if packed is None or dtype not in (torch.float32, torch.bfloat16) or not source.converts():
             return None
-        layout = rowwise_layout(source.shapes, packed[0], packed[1], shape, dtype)
+        layout = packed_layout(source.shapes, packed[0], packed[1], shape, dtype)
         if layout is None:
             return None
         full, parts = layout
@@ -713,10 +713,11 @@ class KVPersister:
         edge = lo + full * row - shared  # where the chunk's tail starts in its reserved bytes
         scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         converted = {}
-        for i, (codes, scale) in enumerate(parts):
+        for i, part in enumerate(parts):
             buffers = [piece for layer in range(L) for piece in ([scratch] if shared else []) +
                        _cut(views[2 * layer + i], lo, edge)]
-            converted[codes] = Converted(buffers, dtype, d, scale)
+            converted[part.codes] = Converted(buffers, dtype, part.row, part.scale, part.zero, part.block,
+                                              part.group)
         tail = [piece for layer in range(L) for i in range(2) for piece in _cut(views[2 * layer + i], edge, hi)]
         return {"tail": tail}, converted
 

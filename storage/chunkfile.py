@@ -519,12 +519,21 @@ class Converted:
     C-contiguous, together exactly the tensor's elements in ``dtype``, each
     whole rows. What a quantized tensor dequantizes to, without its codes
     ever being in memory whole (see :mod:`.nativeread`).
+
+    With ``zero``, the tensor is uint8, two 4-bit codes a byte (the low
+    nibble first, ``row // 2`` bytes a row), and each element is ``code *
+    scale + zero``, each step rounded in float32, with float16 tensors
+    ``scale`` and ``zero`` holding either a row of them per ``block`` rows
+    or ``row // group`` of them per row.
     """
 
     buffers: Sequence[Any]
     dtype: torch.dtype
     row: int
     scale: str | None = None
+    zero: str | None = None
+    block: int = 0
+    group: int = 0
 
 
 class ChunkReader:
@@ -584,14 +593,15 @@ class ChunkReader:
         """Read every tensor: each one named in ``buffers`` into those writable
         buffers (bytes-like, C-contiguous), which it fills in order and which
         together hold exactly its bytes; each one named in ``converted`` as
-        that says (only where :meth:`converts`; its scales are read first);
+        that says (only where :meth:`converts`; its scales and offsets are
+        read first);
         every other one into new memory. With ``verify``, check the payload
         checksum over what was read, fed a slice (:data:`HASHED_READ_BYTES`)
         at a time as each one lands.
 
         Returns:
             The tensors read into new memory, by name (not those in ``buffers``
-            or ``converted``; the scales of ``converted`` among them).
+            or ``converted``; the scales and offsets of ``converted`` among them).
 
         Raises:
             ValueError: ``buffers`` or ``converted`` names an unknown tensor, or one
@@ -608,7 +618,7 @@ class ChunkReader:
         if unknown:
             raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
         plans = {name: self._conversion(name, c) for name, c in converted.items()}
-        scales = {c.scale for c in converted.values() if c.scale is not None}
+        scales = {p for c in converted.values() for p in (c.scale, c.zero) if p is not None}
         if scales & (set(buffers) | set(converted)):
             raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
                              "not into buffers or converted")
@@ -629,7 +639,7 @@ class ChunkReader:
             views[name] = bufs
         for name in scales:  # before the tensors they scale; hashed from memory in their turn
             _preadv_all(self._fd, views[name], self._spans[name][0], self.hash)
-        plans = {name: self._scaled(*plan, None if c.scale is None else fresh[c.scale])
+        plans = {name: self._scaled(*plan, *(None if p is None else fresh[p] for p in (c.scale, c.zero)))
                  for (name, plan), c in zip(plans.items(), converted.values())}
         plan = self._checksum_plan(views, plans, scales)
         if converted:  # only the native reads convert
@@ -660,9 +670,9 @@ class ChunkReader:
         _check_checksum(self.metadata, h, self.hash)
         return fresh
 
-    def _conversion(self, name: str, converted: Converted) -> tuple[list[Any], list[nativeread.Convert]]:
-        """``converted``'s buffers as C-contiguous byte views, and the
-        conversion of each for tensor ``name`` (without scales: see :meth:`_scaled`).
+    def _conversion(self, name: str, converted: Converted) -> tuple[list[Any], nativeread.Convert]:
+        """``converted``'s buffers as C-contiguous byte views, and their
+        conversion for tensor ``name`` (without scales: see :meth:`_scaled`).
 
         Raises:
             ValueError: it cannot be converted so, or :meth:`converts` is False.
@@ -673,51 +683,62 @@ class ChunkReader:
             raise ValueError(f"chunk {self.hash[:12]}: converted reads need the native reads and an xxh3-128 "
                              "checksum")
         dtype, shape = self.shapes[name]
-        source, target = str(dtype).removeprefix("torch."), str(converted.dtype).removeprefix("torch.")
-        if source not in nativeread.SOURCE_TYPES or target not in nativeread.TARGET_TYPES:
+        nibbles = converted.zero is not None
+        source = "uint4x2" if nibbles and dtype == torch.uint8 else str(dtype).removeprefix("torch.")
+        target = str(converted.dtype).removeprefix("torch.")
+        if source not in nativeread.SOURCE_TYPES or target not in nativeread.TARGET_TYPES \
+                or nibbles != (source == "uint4x2"):
             raise ValueError(f"no conversion of tensor {name!r} from {source} to {target}")
-        count = math.prod(shape)
+        count = math.prod(shape) * (2 if nibbles else 1)
         row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
         bufs = [memoryview(b).cast("B") for b in converted.buffers]
         if row < 1 or count % row or any(b.nbytes % (row * target_size) for b in bufs) \
                 or sum(b.nbytes for b in bufs) != count * target_size:
             raise ValueError(f"buffers for tensor {name!r} do not hold its {count} elements as whole rows of "
                              f"{row} {target}")
-        if converted.scale is not None:
-            if self.shapes.get(converted.scale, (None, ()))[0] != torch.float32:
-                raise ValueError(f"chunk {self.hash[:12]} has no float32 tensor {converted.scale!r}")
-            scale_count = math.prod(self.shapes[converted.scale][1])
-            if scale_count * row != count:
-                raise ValueError(f"tensor {converted.scale!r} holds {scale_count} scales, not one per row of "
-                                 f"{name!r} ({count // row})")
-        return bufs, [nativeread.Convert(source, target, row)] * len(bufs)
+        rows = count // row
+        if nibbles:
+            if converted.scale is None or (converted.block > 0) == (converted.group > 0) \
+                    or (converted.block and rows % converted.block) or (converted.group and row % converted.group):
+                raise ValueError(f"tensor {name!r}: 4-bit codes need scales and either whole blocks or groups")
+            per = rows // converted.block * row if converted.block else rows * row // converted.group
+            self._check_parameters(name, converted.scale, torch.float16, per)
+            self._check_parameters(name, converted.zero, torch.float16, per)
+        elif converted.scale is not None:
+            self._check_parameters(name, converted.scale, torch.float32, rows)
+        return bufs, nativeread.Convert(source, target, row, block=converted.block, group=converted.group)
+
+    def _check_parameters(self, name: str, parameters: str, dtype: torch.dtype, count: int) -> None:
+        """Raise ValueError unless tensor ``parameters`` holds ``count`` of ``dtype`` (for tensor ``name``)."""
+        if self.shapes.get(parameters, (None, ()))[0] != dtype:
+            raise ValueError(f"chunk {self.hash[:12]} has no {str(dtype).removeprefix('torch.')} tensor "
+                             f"{parameters!r}")
+        held = math.prod(self.shapes[parameters][1])
+        if held != count:
+            raise ValueError(f"tensor {parameters!r} holds {held} values, not the {count} that {name!r} needs")
 
     @staticmethod
-    def _scaled(bufs: list[Any], converts: list[nativeread.Convert], scale: torch.Tensor | None,
-                ) -> tuple[list[Any], list[nativeread.Convert]]:
-        """``(bufs, converts)`` (:meth:`_conversion`), each conversion given
-        the rows of ``scale`` (read, float32) its buffer needs."""
+    def _scaled(bufs: list[Any], convert: nativeread.Convert, scale: torch.Tensor | None,
+                zero: torch.Tensor | None = None) -> tuple[list[Any], nativeread.Convert]:
+        """``(bufs, convert)`` (:meth:`_conversion`), the conversion given
+        ``scale`` and ``zero`` (read, or None)."""
         if scale is None:
-            return bufs, converts
-        flat, out, at = scale.view(-1).numpy(), [], 0
-        for b, c in zip(bufs, converts):
-            rows = b.nbytes // (c.row * nativeread.TARGET_TYPES[c.target][1])
-            out.append(replace(c, scale=flat[at: at + rows]))
-            at += rows
-        return bufs, out
+            return bufs, convert
+        offsets = None if zero is None else zero.view(-1).numpy()
+        return bufs, replace(convert, scale=scale.view(-1).numpy(), zero=offsets)
 
     def _checksum_plan(self, views: Mapping[str, list[memoryview]],
-                       converted: Mapping[str, tuple[list[Any], list[nativeread.Convert]]] | None = None,
+                       converted: Mapping[str, tuple[list[Any], nativeread.Convert]] | None = None,
                        in_memory: set[str] | None = None,
-                       ) -> list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]]:
+                       ) -> list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]]:
         """What the payload checksum covers, in its order (:func:`_feed`'s):
         for each tensor, ``(its header, the buffers its bytes go to or are
-        in, its offset in the file, how each buffer is converted or None)``,
+        in, its offset in the file, how they are converted or None)``,
         the offset None for the token ids and the tensors ``in_memory``
         (already read: hashed, not read again)."""
         converted = converted or {}
         in_memory = in_memory or set()
-        plan: list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]] = []
+        plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]] = []
         for name in sorted([*views, *converted, TOKEN_IDS_KEY]):
             if name == TOKEN_IDS_KEY:
                 dtype, shape, buffers = _entry(self._ids)
@@ -725,31 +746,32 @@ class ChunkReader:
                 continue
             header = _entry_header(name, *self.shapes[name])
             if name in converted:
-                bufs, converts = converted[name]
-                plan.append((header, bufs, self._spans[name][0], converts))
+                bufs, convert = converted[name]
+                plan.append((header, bufs, self._spans[name][0], convert))
             else:
                 plan.append((header, views[name], None if name in in_memory else self._spans[name][0], None))
         return plan
 
     def _read_native(self, native: nativeread.NativeReads,
-                     plan: list[tuple[bytes, Sequence[Any], int | None, list[nativeread.Convert] | None]]) -> str:
+                     plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]]) -> str:
         """:meth:`read_into`'s reads and payload checksum through ``native``
         (:mod:`.nativeread`): ``plan`` (:meth:`_checksum_plan`) as pieces, in
         one call. Returns the hex digest. Raises CorruptChunkError at an early end."""
         pieces: list[tuple[Any, ...]] = []
-        for header, bufs, offset, converts in plan:
+        for header, bufs, offset, convert in plan:
             pieces.append((header, -1))
-            for i, b in enumerate(bufs):
+            first = 0
+            for b in bufs:
                 if offset is None:  # hashed only
                     pieces.append((b, -1))
-                elif converts is None:
+                elif convert is None:
                     pieces.append((b, offset))
                     offset += memoryview(b).nbytes
-                else:
-                    convert = converts[i]
-                    pieces.append((b, offset, convert))
-                    offset += memoryview(b).nbytes // nativeread.TARGET_TYPES[convert.target][1] \
-                        * nativeread.SOURCE_TYPES[convert.source][1]
+                else:  # the buffer's rows are the tensor's rows from ``first``
+                    rows = memoryview(b).nbytes // (nativeread.TARGET_TYPES[convert.target][1] * convert.row)
+                    pieces.append((b, offset, convert, first))
+                    first += rows
+                    offset += rows * convert.row * nativeread.SOURCE_TYPES[convert.source][1] // 8
         try:
             return native.read_hashed(self._fd, pieces, HASHED_READ_BYTES)
         except EOFError:

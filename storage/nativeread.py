@@ -67,9 +67,11 @@ NATIVE_ENV = "CHATKV_NATIVE_READ"
 _SHORT_READ = -(1 << 40)
 
 #: Element types a converted piece may hold in the file (:class:`Convert`), by
-#: name as torch spells them, with their code in the C source and their size.
+#: name (as torch spells them; ``uint4x2``: two 4-bit codes a byte, the low
+#: nibble first), with their code in the C source and their bits.
 SOURCE_TYPES: dict[str, tuple[int, int]] = {
-    "int8": (1, 1), "float8_e4m3fn": (2, 1), "float16": (3, 2), "bfloat16": (4, 2), "float32": (5, 4)}
+    "int8": (1, 8), "float8_e4m3fn": (2, 8), "float16": (3, 16), "bfloat16": (4, 16), "float32": (5, 32),
+    "uint4x2": (6, 4)}
 #: Element types a converted piece may be written as, likewise.
 TARGET_TYPES: dict[str, tuple[int, int]] = {"float32": (1, 4), "bfloat16": (2, 2)}
 
@@ -85,7 +87,7 @@ _SOURCE = r"""
 typedef int (*chatkv_update_fn)(void *state, const void *input, size_t length);
 
 /* Element types of a converted piece: in the file, then where it goes. */
-enum { SRC_INT8 = 1, SRC_E4M3 = 2, SRC_F16 = 3, SRC_BF16 = 4, SRC_F32 = 5 };
+enum { SRC_INT8 = 1, SRC_E4M3 = 2, SRC_F16 = 3, SRC_BF16 = 4, SRC_F32 = 5, SRC_U4 = 6 };
 enum { DST_F32 = 1, DST_BF16 = 2 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
@@ -166,6 +168,38 @@ CHATKV_ROWS(chatkv_rows_bf16_bf16, uint16_t, uint16_t, LOAD_BF16, STORE_BF16)
 CHATKV_ROWS(chatkv_rows_f32_f32, float, float, LOAD_F32, STORE_F32)
 CHATKV_ROWS(chatkv_rows_f32_bf16, float, uint16_t, LOAD_F32, STORE_BF16)
 
+/* int4 codes, two per byte (the low nibble first), half bytes of them:
+   out = code * sf + zf per element, each step rounded in float32, then
+   rounded to the destination type (sf, zf: that row's scales and offsets,
+   one per element). */
+#define CHATKV_NIBBLES(name, dst_t, store)                                                          \
+    CHATKV_CLONES void name(const uint8_t *a, dst_t *o, long long half, const float *sf,            \
+                            const float *zf)                                                        \
+    {                                                                                               \
+        for (long long j = 0; j < half; j++) {                                                      \
+            const float lo = (float)(a[j] & 15u), hi = (float)(a[j] >> 4);                         \
+            o[2 * j] = store(lo * sf[2 * j] + zf[2 * j]);                                           \
+            o[2 * j + 1] = store(hi * sf[2 * j + 1] + zf[2 * j + 1]);                               \
+        }                                                                                           \
+    }
+
+CHATKV_NIBBLES(chatkv_nibbles_f32, float, STORE_F32)
+CHATKV_NIBBLES(chatkv_nibbles_bf16, uint16_t, STORE_BF16)
+
+/* One piece (see chatkv_read_pieces). */
+struct chatkv_piece {
+    long long addr;   /* where its bytes go, or (off < 0) are */
+    long long len;    /* bytes in the file (or hashed) */
+    long long off;    /* offset in the file; < 0: only hash len bytes at addr */
+    long long conv;   /* 0: read as is; else 16 * source type + destination type */
+    long long row;    /* elements per row, when converted */
+    long long scale;  /* address of the scales (float32; float16 for int4), or 0 */
+    long long zero;   /* int4: address of the offsets (float16) */
+    long long block;  /* int4 with one (scale, offset) per element over a block of rows: rows per block */
+    long long phase;  /* ... and rows of the piece's first block before the piece */
+    long long group;  /* int4 with (scale, offset) per group of elements of each row: elements per group */
+};
+
 static void chatkv_convert(long long conv, const void *in, void *out, long long rows, long long row,
                            const float *scale)
 {
@@ -180,6 +214,38 @@ static void chatkv_convert(long long conv, const void *in, void *out, long long 
     case SRC_BF16 * 16 + DST_BF16: chatkv_rows_bf16_bf16(in, out, rows, row, scale); break;
     case SRC_F32 * 16 + DST_F32: chatkv_rows_f32_f32(in, out, rows, row, scale); break;
     case SRC_F32 * 16 + DST_BF16: chatkv_rows_f32_bf16(in, out, rows, row, scale); break;
+    }
+}
+
+/* rows int4 rows of piece q, done rows into it, from in to out; sf and zf
+   hold q->row floats each (the scales and offsets of the row before). */
+static void chatkv_convert_int4(const struct chatkv_piece *q, long long done, const uint8_t *in, char *out,
+                                long long rows, float *sf, float *zf)
+{
+    const uint16_t *scale = (const uint16_t *)(size_t)q->scale, *zero = (const uint16_t *)(size_t)q->zero;
+    const long long row = q->row, dst = q->conv % 16;
+    for (long long r = done; r < done + rows; r++) {
+        if (q->group > 0) {  /* one (scale, offset) per group of each row */
+            const long long groups = row / q->group;
+            for (long long g = 0; g < groups; g++) {
+                const float s = chatkv_f16(scale[r * groups + g]), z = chatkv_f16(zero[r * groups + g]);
+                for (long long j = g * q->group; j < (g + 1) * q->group; j++) {
+                    sf[j] = s;
+                    zf[j] = z;
+                }
+            }
+        } else if (r == done || (q->phase + r) % q->block == 0) {  /* one per element, per block of rows */
+            const long long b = (q->phase + r) / q->block;
+            for (long long j = 0; j < row; j++) {
+                sf[j] = chatkv_f16(scale[b * row + j]);
+                zf[j] = chatkv_f16(zero[b * row + j]);
+            }
+        }
+        const uint8_t *a = in + (r - done) * (row / 2);
+        if (dst == DST_F32)
+            chatkv_nibbles_f32(a, (float *)out + (r - done) * row, row / 2, sf, zf);
+        else
+            chatkv_nibbles_bf16(a, (uint16_t *)out + (r - done) * row, row / 2, sf, zf);
     }
 }
 
@@ -200,31 +266,31 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
     return 0;
 }
 
-/* For each of the n pieces in order: where off[i] < 0, feed the len[i] bytes
-   at addr[i] to the hash; else read len[i] bytes from fd at offset off[i], at
-   most slice bytes per pread, feeding each slice to the hash as soon as it
-   lands: where conv[i] is 0, into addr[i]; else into a staging buffer, from
-   which the slice's rows (row[i] elements each) are converted into addr[i]
-   (conv[i] = 16 * source type + destination type), each multiplied by its
-   float32 scale from scale[i] (an address, or 0 for none). Returns the bytes
-   read from fd, -errno after a failed read or allocation, or -(1 << 40) when
-   the file ends before the pieces do. */
-long long chatkv_read_pieces(int fd, long long n, const long long *addr, const long long *len,
-                             const long long *off, const long long *conv, const long long *row,
-                             const long long *scale, long long slice, void *state, chatkv_update_fn update)
+/* For each of the n pieces in order: where off < 0, feed the len bytes at
+   addr to the hash; else read len bytes from fd at offset off, at most slice
+   bytes per pread, feeding each slice to the hash as soon as it lands: where
+   conv is 0, into addr; else into a staging buffer, from which the slice's
+   whole rows are converted into addr (see struct chatkv_piece and the
+   conversions above). Returns the bytes read from fd, -errno after a failed
+   read or allocation, or -(1 << 40) when the file ends before the pieces do. */
+long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
+                             void *state, chatkv_update_fn update)
 {
-    static const size_t src_size[] = {0, 1, 1, 2, 2, 4}, dst_size[] = {0, 4, 2};
+    static const long long src_size2[] = {0, 2, 2, 4, 4, 8, 1};  /* twice each source type's bytes */
+    static const long long dst_size[] = {0, 4, 2};
     long long total = 0, status = 0;
     char *stage = NULL;
-    size_t staged = 0;
+    float *expand = NULL;
+    size_t staged = 0, expanded = 0;
     for (long long i = 0; i < n && status == 0; i++) {
-        char *p = (char *)(size_t)addr[i];
-        long long left = len[i], at = off[i];
+        const struct chatkv_piece *q = &pieces[i];
+        char *p = (char *)(size_t)q->addr;
+        long long left = q->len, at = q->off;
         if (at < 0) {
             update(state, p, (size_t)left);
             continue;
         }
-        if (conv[i] == 0) {
+        if (q->conv == 0) {
             while (left > 0 && status == 0) {
                 size_t want = left < slice ? (size_t)left : (size_t)slice;
                 ssize_t got = pread(fd, p, want, (off_t)at);
@@ -244,21 +310,26 @@ long long chatkv_read_pieces(int fd, long long n, const long long *addr, const l
             }
             continue;
         }
-        const long long src = conv[i] / 16, dst = conv[i] % 16;
-        const long long row_bytes = row[i] * (long long)src_size[src];
-        const float *sc = scale[i] ? (const float *)(size_t)scale[i] : NULL;
-        long long per = slice / row_bytes;
+        const long long src = q->conv / 16, dst = q->conv % 16;
+        const long long row_bytes = q->row * src_size2[src] / 2;
+        long long per = slice / row_bytes, done = 0;
         if (per < 1)
             per = 1;
         if ((size_t)(per * row_bytes) > staged) {
             free(stage);
             staged = (size_t)(per * row_bytes);
             stage = malloc(staged);
-            if (!stage) {
-                status = -(long long)ENOMEM;
-                break;
-            }
         }
+        if (src == SRC_U4 && (size_t)q->row > expanded) {
+            free(expand);
+            expanded = (size_t)q->row;
+            expand = malloc(2 * expanded * sizeof(float));
+        }
+        if (!stage || (src == SRC_U4 && !expand)) {
+            status = -(long long)ENOMEM;
+            break;
+        }
+        const float *sc = (const float *)(size_t)q->scale;
         while (left > 0) {
             long long rows = left / row_bytes < per ? left / row_bytes : per;
             size_t want = (size_t)(rows * row_bytes);
@@ -266,16 +337,22 @@ long long chatkv_read_pieces(int fd, long long n, const long long *addr, const l
             if (status != 0)
                 break;
             update(state, stage, want);
-            chatkv_convert(conv[i], stage, p, rows, row[i], sc);
-            p += rows * row[i] * (long long)dst_size[dst];
-            if (sc)
-                sc += rows;
+            if (src == SRC_U4) {
+                chatkv_convert_int4(q, done, (const uint8_t *)stage, p, rows, expand, expand + expanded);
+            } else {
+                chatkv_convert(q->conv, stage, p, rows, q->row, sc);
+                if (sc)
+                    sc += rows;
+            }
+            p += rows * q->row * dst_size[dst];
+            done += rows;
             at += (long long)want;
             left -= (long long)want;
             total += (long long)want;
         }
     }
     free(stage);
+    free(expand);
     return status != 0 ? status : total;
 }
 """
@@ -283,21 +360,41 @@ long long chatkv_read_pieces(int fd, long long n, const long long *addr, const l
 
 @dataclass(frozen=True)
 class Convert:
-    """How a piece read from the file is written (:meth:`NativeReads.read_hashed`).
+    """How pieces read from the file are written (:meth:`NativeReads.read_hashed`):
+    the rows of one tensor, each piece some of them.
 
     Attributes:
         source: the elements' type in the file (:data:`SOURCE_TYPES`).
         target: their type where they go (:data:`TARGET_TYPES`).
-        row: elements per row; the piece's bytes are whole rows.
-        scale: a buffer of one float32 per row of the piece, each row's
+        row: elements per row; a piece's bytes are whole rows.
+        scale: a buffer of one float32 per row of the tensor, each row's
             elements multiplied by it (in float32, rounded once to
-            ``target``), or None for no scaling (a plain cast).
+            ``target``), or None for no scaling (a plain cast). For
+            ``uint4x2`` codes, float16 scales as ``block`` or ``group`` says.
+        zero: ``uint4x2`` only: float16 offsets, one per scale. Each element
+            is ``code * scale + zero``, each step rounded in float32, then
+            rounded once to ``target``.
+        block: ``uint4x2`` with one (scale, zero) per element of a row,
+            shared by each block of this many rows: ``scale`` holds a row
+            of them per block.
+        group: ``uint4x2`` with one (scale, zero) per group of this many
+            elements of each row: ``scale`` holds ``row // group`` a row.
     """
 
     source: str
     target: str
     row: int
     scale: Any = None
+    zero: Any = None
+    block: int = 0
+    group: int = 0
+
+
+class _Piece(ctypes.Structure):
+    """The C source's ``struct chatkv_piece``."""
+
+    _fields_ = [(name, ctypes.c_longlong) for name in
+                ("addr", "len", "off", "conv", "row", "scale", "zero", "block", "phase", "group")]
 
 
 class _Hash128(ctypes.Structure):
@@ -321,7 +418,7 @@ class NativeReads:
         ll = ctypes.c_longlong
         self._read = lib.chatkv_read_pieces
         self._read.restype = ll
-        self._read.argtypes = [ctypes.c_int, ll, *[ctypes.c_void_p] * 6, ll, ctypes.c_void_p, ctypes.c_void_p]
+        self._read.argtypes = [ctypes.c_int, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ctypes.c_void_p]
         self._create = xx.XXH3_createState
         self._create.restype = ctypes.c_void_p
         self._create.argtypes = []
@@ -343,49 +440,42 @@ class NativeReads:
         that offset (a writable buffer, C-contiguous), ``slice_bytes`` per
         ``pread``, each slice hashed as it lands; one with ``offset < 0`` (any
         buffer, ``bytes`` included) is only hashed. A ``(buffer, offset,
-        convert)`` piece (:class:`Convert`) reads the elements that fill
-        ``buffer`` once converted: each slice of whole rows is read into
-        memory of the call's own, hashed there, and converted into
-        ``buffer``. Returns xxh3-128's hex digest of all the bytes read or
-        hashed, in order, as ``xxhash.xxh3_128().hexdigest()`` gives.
+        convert, first)`` piece (:class:`Convert`) reads the elements that
+        fill ``buffer`` once converted, rows ``first`` on of the tensor
+        ``convert`` describes: each slice of whole rows is read into memory
+        of the call's own, hashed there, and converted into ``buffer``.
+        Returns xxh3-128's hex digest of all the bytes read or hashed, in
+        order, as ``xxhash.xxh3_128().hexdigest()`` gives.
 
         Raises:
             EOFError: the file ends before the pieces do (what landed is unverified).
             OSError: a read failed.
             TypeError: a piece to be filled is read-only (nothing was read).
             ValueError: a piece is not C-contiguous, or a conversion does not fit
-                its piece (unknown types, not whole rows, too few scales);
-                nothing was read.
+                its piece (unknown types, not whole rows, too few scales or
+                offsets); nothing was read.
         """
-        addresses: list[int] = []
-        lengths: list[int] = []
-        offsets: list[int] = []
-        conversions: list[int] = []
-        rows: list[int] = []
-        scales: list[int] = []
+        structs: list[_Piece] = []
         pinned: list[Any] = []  # the buffers' exports, alive until the call returns
+        conversions: dict[int, _Conversion] = {}
         for buf, offset, *more in pieces:
             address, size = self._address(buf, pinned, filled=offset >= 0)
-            convert: Convert | None = more[0] if more else None
-            code, row, scale = 0, 0, 0
-            if convert is not None and offset >= 0 and size:
-                code, row, scale, size = self._conversion(convert, size, pinned)
-            if size:
-                addresses.append(address)
-                lengths.append(size)
-                offsets.append(offset)
-                conversions.append(code)
-                rows.append(row)
-                scales.append(scale)
-        n = len(addresses)
-        arrays = [(ctypes.c_longlong * n)(*values) for values in (addresses, lengths, offsets, conversions, rows,
-                                                                  scales)]
+            piece = _Piece(address, size, offset)
+            if more and offset >= 0 and size:
+                convert, first = more
+                conversion = conversions.get(id(convert))
+                if conversion is None:
+                    conversion = conversions[id(convert)] = _Conversion(convert, self._address, pinned)
+                conversion.set(piece, first)
+            if piece.len:
+                structs.append(piece)
+        array = (_Piece * len(structs))(*structs)
         state = self._create()
         if not state:
             raise MemoryError("XXH3_createState failed")
         try:
             self._reset(state)
-            got = self._read(fd, n, *arrays, slice_bytes, state, self._update)
+            got = self._read(fd, len(structs), array, slice_bytes, state, self._update)
             if got == _SHORT_READ:
                 raise EOFError("the file ends before the pieces do")
             if got < 0:
@@ -394,29 +484,6 @@ class NativeReads:
         finally:
             self._free(state)
         return f"{digest.high64:016x}{digest.low64:016x}"
-
-    def _conversion(self, convert: Convert, size: int, pinned: list[Any]) -> tuple[int, int, int, int]:
-        """``(code, row, scale address or 0, bytes to read)`` of ``convert``
-        for a destination of ``size`` bytes, the scales' export kept in ``pinned``.
-
-        Raises:
-            ValueError: unknown types, a destination of partial rows, or fewer scales than rows.
-        """
-        if convert.source not in SOURCE_TYPES or convert.target not in TARGET_TYPES:
-            raise ValueError(f"no conversion from {convert.source!r} to {convert.target!r}")
-        source, source_size = SOURCE_TYPES[convert.source]
-        target, target_size = TARGET_TYPES[convert.target]
-        row_bytes = convert.row * target_size
-        if convert.row < 1 or size % row_bytes:
-            raise ValueError(f"a piece of {size} bytes is not whole rows of {convert.row} {convert.target}")
-        n_rows = size // row_bytes
-        scale = 0
-        if convert.scale is not None:
-            view = memoryview(convert.scale)
-            if view.nbytes < 4 * n_rows:
-                raise ValueError(f"{view.nbytes // 4} scales for {n_rows} rows")
-            scale, _ = self._address(convert.scale, pinned, filled=not view.readonly)
-        return source * 16 + target, convert.row, scale, n_rows * convert.row * source_size
 
     @staticmethod
     def _address(buf: Any, pinned: list[Any], filled: bool) -> tuple[int, int]:
@@ -441,6 +508,68 @@ class NativeReads:
         export = ctypes.c_char.from_buffer(view.cast("B"))
         pinned.append(export)
         return ctypes.addressof(export), size
+
+
+class _Conversion:
+    """A :class:`Convert` checked once, for setting each of its pieces."""
+
+    def __init__(self, convert: Convert, address: Any, pinned: list[Any]) -> None:
+        """Check ``convert`` and take its parameters' addresses (``address``:
+        :meth:`NativeReads._address`, the exports kept in ``pinned``).
+
+        Raises:
+            ValueError: unknown types, rows of partial bytes, or a ``uint4x2``
+                conversion without its scales, offsets and block or group.
+        """
+        if convert.source not in SOURCE_TYPES or convert.target not in TARGET_TYPES:
+            raise ValueError(f"no conversion from {convert.source!r} to {convert.target!r}")
+        source, self.source_bits = SOURCE_TYPES[convert.source]
+        target, self.target_size = TARGET_TYPES[convert.target]
+        row = convert.row
+        if row < 1 or row * self.source_bits % 8:
+            raise ValueError(f"rows of {row} {convert.source} are not whole bytes")
+        self.code, self.convert = source * 16 + target, convert
+        nibbles = convert.source == "uint4x2"
+        if not nibbles and (convert.zero is not None or convert.block or convert.group):
+            raise ValueError(f"{convert.source} codes have no offsets, blocks or groups")
+        if nibbles and ((convert.block > 0) == (convert.group > 0) or convert.scale is None
+                        or convert.zero is None or (convert.group and row % convert.group)):
+            raise ValueError("uint4x2 codes need scales, offsets and either a block or whole groups")
+        self.scale = self.zero = (0, 0)
+        for name in ("scale", "zero"):
+            buf = getattr(convert, name)
+            if buf is not None:
+                view = memoryview(buf)
+                setattr(self, name, (address(buf, pinned, filled=not view.readonly)[0], view.nbytes))
+
+    def set(self, piece: _Piece, first: int) -> None:
+        """Make ``piece`` (its destination's address and bytes set) rows
+        ``first`` on of the tensor, converted; the bytes it reads set too.
+
+        Raises:
+            ValueError: a destination of partial rows, or too few scales or
+                offsets for its rows.
+        """
+        c = self.convert
+        row, size = c.row, piece.len
+        if first < 0 or size % (row * self.target_size):
+            raise ValueError(f"a piece of {size} bytes is not whole rows of {row} {c.target}")
+        rows = size // (row * self.target_size)
+        piece.conv, piece.row, piece.len = self.code, row, rows * row * self.source_bits // 8
+        if c.block:  # a row of float16 parameters per block, from the first row's
+            start, end = 2 * (first // c.block) * row, 2 * ((first + rows - 1) // c.block + 1) * row
+            piece.block, piece.phase = c.block, first % c.block
+        elif c.group:  # row // group float16 parameters a row
+            start, end = 2 * first * (row // c.group), 2 * (first + rows) * (row // c.group)
+            piece.group = c.group
+        else:  # a float32 scale a row
+            start, end = 4 * first, 4 * (first + rows)
+        for name in ("scale", "zero"):
+            address, nbytes = getattr(self, name)
+            if address:
+                if end > nbytes:
+                    raise ValueError(f"{nbytes} bytes of {name}s where rows {first} to {first + rows} need {end}")
+                setattr(piece, name, address + start)
 
 
 _lock = threading.Lock()
@@ -628,7 +757,7 @@ def _self_test_conversions(reads: NativeReads) -> str | None:
     }
     scale_bytes = struct.pack(f"<{len(scales)}f", *scales)
     for source, bits in codes.items():
-        size = SOURCE_TYPES[source][1]
+        size = SOURCE_TYPES[source][1] // 8
         data = b"".join(b.to_bytes(size, "little") for b in bits)
         scaled = source in ("int8", "float8_e4m3fn")
         values = [_decoded(source, b) * (scales[i // row] if scaled else 1.0) for i, b in enumerate(bits)]
@@ -638,14 +767,48 @@ def _self_test_conversions(reads: NativeReads) -> str | None:
                 f.write(b"pad" + data)
                 f.flush()
                 convert = Convert(source, target, row, bytearray(scale_bytes) if scaled else None)
-                digest = reads.read_hashed(f.fileno(), [(out, 3, convert)], 2 * row * size)
+                digest = reads.read_hashed(f.fileno(), [(out, 3, convert, 0)], 2 * row * size)
             if digest != xxhash.xxh3_128(data).hexdigest():
                 return f"the digest of {source} read to convert differs"
             got = [int.from_bytes(out[i: i + target_size], "little") for i in range(0, len(out), target_size)]
             want = [_f32_bits(v) if target == "float32" else _bf16_bits(v) for v in values]
             if got != want:
                 return f"{source} converted to {target} differs"
+    return _self_test_int4(reads, rng)
+
+
+def _self_test_int4(reads: NativeReads, rng: Any) -> str | None:
+    """As :func:`_self_test_conversions`, for ``uint4x2`` codes: 6 rows of 8,
+    parameters per element over blocks of 4 rows (the piece 3 rows into its
+    first block), then per group of 4 elements of each row."""
+    row, n = 8, 6
+    data = bytes(rng.randrange(256) for _ in range(n * row // 2))
+    codes = [(b >> shift) & 15 for b in data for shift in (0, 4)]
+    half = [struct.unpack("<e", struct.pack("<e", rng.uniform(-2, 2)))[0] for _ in range(6 * row)]
+    half_bytes = struct.pack(f"<{len(half)}e", *half)
+    for layout, where in (("block", lambda r, j: ((3 + r) // 4) * row + j), ("group", lambda r, j: r * 2 + j // 4)):
+        values = []
+        for i, c in enumerate(codes):
+            at = where(i // row, i % row)
+            values.append(_f32(_f32(c * half[at]) + half[len(half) // 2 + at]))
+        scale, zero = bytearray(half_bytes[: len(half_bytes) // 2]), bytearray(half_bytes[len(half_bytes) // 2:])
+        options, first = ({"block": 4}, 3) if layout == "block" else ({"group": 4}, 0)
+        for target, (_, target_size) in TARGET_TYPES.items():
+            out = bytearray(n * row * target_size)
+            with tempfile.TemporaryFile() as f:
+                f.write(data)
+                f.flush()
+                reads.read_hashed(f.fileno(), [(out, 0, Convert("uint4x2", target, row, scale, zero, **options),
+                                                first)], 9)
+            got = [int.from_bytes(out[i: i + target_size], "little") for i in range(0, len(out), target_size)]
+            if got != [_f32_bits(v) if target == "float32" else _bf16_bits(v) for v in values]:
+                return f"uint4x2 codes per {layout} converted to {target} differ"
     return None
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _f32_bits(x: float) -> int:

@@ -141,9 +141,12 @@ def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(from_dis
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # The loop's operators and the reader threads on the same cores made both
     # several times slower: on a host pool the loop writes compact chunks into
-    # the pool (int4's; the row-wise schemes' too without the native reads)
-    # only while no chunk is being read (from the page cache: reads that wait
-    # for the disk leave the cores free).
+    # the pool (without the native reads, which dequantize them in the
+    # readers) only while no chunk is being read (from the page cache: reads
+    # that wait for the disk leave the cores free).
+    from chatkv.storage import nativeread
+
+    monkeypatch.setattr(nativeread, "reader", lambda: None)
     exact = _converse(_engine("exact"), "exact-idle")
     want = exact.engine.call(lambda: exact.engine.pool.read_tokens(exact._session.kv.seq, 0,
                                                                    exact.num_cached_tokens).clone())
@@ -181,14 +184,14 @@ def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(from_dis
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16", "fp16"])
-def test_a_rowwise_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str, dtype: torch.dtype,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the native reads, the reader threads write a chunk packed with a
-    row-wise scheme straight into its slots, dequantized as it lands (the
-    loop fills none of them): bit for bit what the loop's fill writes without
-    them, for a session read whole and for one whose start another session
-    holds (its shared tokens' codes read, checked and not written)."""
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str, dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native reads, the reader threads write a compact chunk
+    straight into its slots, dequantized as it lands (the loop fills none of
+    them): bit for bit what the loop's fill writes without them, for a
+    session read whole and for one whose start another session holds (its
+    shared tokens' codes read, checked and not written)."""
     from chatkv.storage import nativeread
 
     reads = nativeread.wait_prepared(120)

@@ -99,10 +99,9 @@ def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativer
     cut = 37
     source = str(codes.dtype).removeprefix("torch.")
     scale = None if q is None or q.scale is None else q.scale.contiguous().view(-1)
-    pieces = []
-    for lo, hi in ((0, cut), (cut, rows.shape[0])):
-        convert = nativeread.Convert(source, target, 64, None if scale is None else scale[lo:].numpy())
-        pieces.append((rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * 64 * codes.element_size(), convert))
+    convert = nativeread.Convert(source, target, 64, None if scale is None else scale.numpy())
+    pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * 64 * codes.element_size(), convert, lo)
+              for lo, hi in ((0, cut), (cut, rows.shape[0]))]
     with open(path, "rb") as f:
         digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -115,14 +114,57 @@ def test_a_conversion_that_does_not_fit_its_piece_is_refused_before_reading(read
     path.write_bytes(bytes(range(100)))
     target = bytearray(b"\xee" * 40)  # 10 float32
     cases = {
-        "no conversion": nativeread.Convert("int4", "float32", 5),
-        "not whole rows": nativeread.Convert("int8", "float32", 3),
-        "2 scales for 5 rows": nativeread.Convert("int8", "float32", 2, bytearray(8)),
+        "no conversion": (nativeread.Convert("int4", "float32", 5), 0),
+        "not whole rows": (nativeread.Convert("int8", "float32", 3), 0),
+        "8 bytes of scales where rows 0 to 5 need 20": (nativeread.Convert("int8", "float32", 2, bytearray(8)), 0),
+        "rows 1 to 6 need 24": (nativeread.Convert("int8", "float32", 2, bytearray(20)), 1),
+        "no offsets": (nativeread.Convert("int8", "float32", 2, zero=bytearray(20)), 0),
+        "either a block or whole groups": (nativeread.Convert("uint4x2", "float32", 2, bytearray(8), bytearray(8)), 0),
+        "not whole bytes": (nativeread.Convert("uint4x2", "float32", 1, bytearray(8), bytearray(8), group=1), 0),
     }
     with open(path, "rb") as f:
-        for match, convert in cases.items():
+        for match, (convert, first) in cases.items():
             with pytest.raises(ValueError, match=match):
-                reads.read_hashed(f.fileno(), [(target, 0, convert)], 4096)
+                reads.read_hashed(f.fileno(), [(target, 0, convert, first)], 4096)
             assert target == bytearray(b"\xee" * 40)
         with pytest.raises(EOFError):  # 10 int8 codes wanted at 95: the file ends first
-            reads.read_hashed(f.fileno(), [(target, 95, nativeread.Convert("int8", "float32", 5))], 4096)
+            reads.read_hashed(f.fileno(), [(target, 95, nativeread.Convert("int8", "float32", 5), 0)], 4096)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("target", ["float32", "bfloat16"])
+@pytest.mark.parametrize("slice_bytes", [50, 4096, 1 << 20])
+def test_int4_codes_convert_as_chatkv_quant_dequantizes_them(reads: nativeread.NativeReads, tmp_path: Path,
+                                                             kind: str, target: str, slice_bytes: int) -> None:
+    """int4 keys (a scale and offset per channel over a block of tokens) and
+    values (per group of channels of each token), read and converted in two
+    pieces cut mid-block: bit for bit chatkv.quant's float32 dequantization,
+    rounded once to the target."""
+    import torch
+
+    from chatkv.quant import dequantize_int4_blocks_into, quantize
+
+    torch.manual_seed(1)
+    n, bs, h, d = 3, 16, 2, 64
+    x = torch.randn(n, bs, h, d) * torch.logspace(-2, 1, d)
+    q = quantize(x, kind, "int4")
+    wide = torch.empty(n, bs, h, d)
+    dequantize_int4_blocks_into(q, 0, n, wide)
+    want = wide.to(getattr(torch, target))
+    raw = q.data.contiguous().view(-1).numpy().tobytes()
+    path = tmp_path / "codes"
+    path.write_bytes(b"xyz" + raw)
+    got = torch.full(x.shape, 3.0, dtype=getattr(torch, target))
+    rows, row, cut = got.view(-1, h * d), h * d, 21  # row 21: five rows into the second block
+    scale, zero = q.scale.contiguous().view(-1).numpy(), q.zero.contiguous().view(-1).numpy()
+    layout = {"block": bs} if kind == "k" else {"group": q.group_size}
+    convert = nativeread.Convert("uint4x2", target, row, scale, zero, **layout)
+    pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 3 + lo * row // 2, convert, lo)
+              for lo, hi in ((0, cut), (cut, n * bs))]
+    with open(path, "rb") as f:
+        digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert digest == xxhash.xxh3_128(raw).hexdigest()
+    short = nativeread.Convert("uint4x2", target, row, scale[: len(scale) // 3], zero, **layout)
+    with open(path, "rb") as f, pytest.raises(ValueError, match="bytes of scales where"):
+        reads.read_hashed(f.fileno(), [(rows[: bs + 1].view(torch.uint8).numpy(), 3, short, 0)], slice_bytes)

@@ -375,7 +375,7 @@ def test_read_into_converts_scaled_codes_as_it_reads_them(store: Store, chunk_re
     assert set(fresh) == {"scale"} and torch.equal(fresh["scale"], scale)
     assert torch.equal(out, (codes.float() * scale[:, None]).to(dtype))
     assert torch.equal(torch.frombuffer(dest, dtype=torch.float32).view(3, 4), kv)
-    for bad, match in ((Converted([rows], dtype, 8, "kv"), "holds 12 scales, not one per row"),
+    for bad, match in ((Converted([rows], dtype, 8, "kv"), "holds 12 values, not the 6 that"),
                        (Converted([rows], dtype, 8, "nope"), "no float32 tensor 'nope'"),
                        (Converted([rows[:1]], dtype, 8, "scale"), "do not hold its 48 elements"),
                        (Converted([rows], torch.float16, 8, "scale"), "from int8 to float16")):
