@@ -41,6 +41,7 @@ chunks are read in Python, as before; the log says once why.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import hashlib
@@ -390,11 +391,9 @@ class Convert:
     group: int = 0
 
 
-class _Piece(ctypes.Structure):
-    """The C source's ``struct chatkv_piece``."""
-
-    _fields_ = [(name, ctypes.c_longlong) for name in
-                ("addr", "len", "off", "conv", "row", "scale", "zero", "block", "phase", "group")]
+#: long longs in the C source's ``struct chatkv_piece``: addr, len, off,
+#: conv, row, scale, zero, block, phase, group.
+_PIECE_FIELDS = 10
 
 
 class _Hash128(ctypes.Structure):
@@ -455,27 +454,29 @@ class NativeReads:
                 its piece (unknown types, not whole rows, too few scales or
                 offsets); nothing was read.
         """
-        structs: list[_Piece] = []
+        fields: list[int] = []  # the struct chatkv_piece array, field by field
         pinned: list[Any] = []  # the buffers' exports, alive until the call returns
         conversions: dict[int, _Conversion] = {}
         for buf, offset, *more in pieces:
             address, size = self._address(buf, pinned, filled=offset >= 0)
-            piece = _Piece(address, size, offset)
-            if more and offset >= 0 and size:
+            if not size:
+                continue
+            if more and offset >= 0:
                 convert, first = more
                 conversion = conversions.get(id(convert))
                 if conversion is None:
                     conversion = conversions[id(convert)] = _Conversion(convert, self._address, pinned)
-                conversion.set(piece, first)
-            if piece.len:
-                structs.append(piece)
-        array = (_Piece * len(structs))(*structs)
+                fields += conversion.piece(address, size, offset, first)
+            else:
+                fields += (address, size, offset, 0, 0, 0, 0, 0, 0, 0)
+        count = len(fields) // _PIECE_FIELDS
+        packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
         state = self._create()
         if not state:
             raise MemoryError("XXH3_createState failed")
         try:
             self._reset(state)
-            got = self._read(fd, len(structs), array, slice_bytes, state, self._update)
+            got = self._read(fd, count, packed.buffer_info()[0], slice_bytes, state, self._update)
             if got == _SHORT_READ:
                 raise EOFError("the file ends before the pieces do")
             if got < 0:
@@ -511,7 +512,7 @@ class NativeReads:
 
 
 class _Conversion:
-    """A :class:`Convert` checked once, for setting each of its pieces."""
+    """A :class:`Convert` checked once, for each of its pieces."""
 
     def __init__(self, convert: Convert, address: Any, pinned: list[Any]) -> None:
         """Check ``convert`` and take its parameters' addresses (``address``:
@@ -542,34 +543,37 @@ class _Conversion:
                 view = memoryview(buf)
                 setattr(self, name, (address(buf, pinned, filled=not view.readonly)[0], view.nbytes))
 
-    def set(self, piece: _Piece, first: int) -> None:
-        """Make ``piece`` (its destination's address and bytes set) rows
-        ``first`` on of the tensor, converted; the bytes it reads set too.
+    def piece(self, address: int, size: int, offset: int, first: int) -> tuple[int, ...]:
+        """The ``struct chatkv_piece`` fields of a piece converted so: its
+        destination (``address``, ``size`` bytes) receives rows ``first`` on
+        of the tensor, read from ``offset``.
 
         Raises:
             ValueError: a destination of partial rows, or too few scales or
                 offsets for its rows.
         """
         c = self.convert
-        row, size = c.row, piece.len
+        row = c.row
         if first < 0 or size % (row * self.target_size):
             raise ValueError(f"a piece of {size} bytes is not whole rows of {row} {c.target}")
         rows = size // (row * self.target_size)
-        piece.conv, piece.row, piece.len = self.code, row, rows * row * self.source_bits // 8
+        block = phase = group = 0
         if c.block:  # a row of float16 parameters per block, from the first row's
             start, end = 2 * (first // c.block) * row, 2 * ((first + rows - 1) // c.block + 1) * row
-            piece.block, piece.phase = c.block, first % c.block
+            block, phase = c.block, first % c.block
         elif c.group:  # row // group float16 parameters a row
             start, end = 2 * first * (row // c.group), 2 * (first + rows) * (row // c.group)
-            piece.group = c.group
+            group = c.group
         else:  # a float32 scale a row
             start, end = 4 * first, 4 * (first + rows)
+        at = {}
         for name in ("scale", "zero"):
-            address, nbytes = getattr(self, name)
-            if address:
-                if end > nbytes:
-                    raise ValueError(f"{nbytes} bytes of {name}s where rows {first} to {first + rows} need {end}")
-                setattr(piece, name, address + start)
+            base, nbytes = getattr(self, name)
+            if base and end > nbytes:
+                raise ValueError(f"{nbytes} bytes of {name}s where rows {first} to {first + rows} need {end}")
+            at[name] = base + start if base else 0
+        return (address, rows * row * self.source_bits // 8, offset, self.code, row, at["scale"], at["zero"],
+                block, phase, group)
 
 
 _lock = threading.Lock()
