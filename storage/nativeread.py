@@ -91,7 +91,7 @@ typedef int (*chatkv_update_fn)(void *state, const void *input, size_t length);
 enum { SRC_INT8 = 1, SRC_E4M3 = 2, SRC_F16 = 3, SRC_BF16 = 4, SRC_F32 = 5, SRC_U4 = 6 };
 enum { DST_F32 = 1, DST_BF16 = 2 };
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(CHATKV_NO_CLONES)
 /* Conversions built three times (AVX-512, AVX2, any x86-64); the loader picks one. */
 #define CHATKV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -686,8 +686,17 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="chatkv-native-"))
 
 
+#: Libraries of other sources or compilers (older chatkv versions) unused
+#: this long are removed when a new one is built.
+STALE_LIBRARY_SECONDS = 30 * 86400
+
+
 def _build(compiler: list[str]) -> Path:
-    """The built library: found in the cache, else compiled into it (atomically).
+    """The built library: found in the cache, else compiled into it
+    (atomically; where the compiler refuses the per-CPU builds of the
+    conversions, once more without them). A library found is touched, so
+    that its last use shows in its time, and building a new one removes the
+    cache's libraries unused for :data:`STALE_LIBRARY_SECONDS`.
 
     Raises:
         OSError: compiling failed (its message included).
@@ -697,17 +706,43 @@ def _build(compiler: list[str]) -> Path:
     out_dir = _cache_dir()
     library = out_dir / f"readhash-{tag}.so"
     if library.is_file():
+        try:
+            os.utime(library)
+        except OSError:  # a read-only cache still serves
+            pass
         return library
     with tempfile.TemporaryDirectory(prefix="build-", dir=out_dir) as tmp:
         source = Path(tmp) / "readhash.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / library.name
-        done = subprocess.run([*compiler, *flags, "-o", str(built), str(source)],
-                              capture_output=True, text=True, timeout=120, check=False)
-        if done.returncode != 0 or not built.is_file():
+        for extra in ([], ["-DCHATKV_NO_CLONES"]):
+            done = subprocess.run([*compiler, *flags, *extra, "-o", str(built), str(source)],
+                                  capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode == 0 and built.is_file():
+                break
+            log.info("compiling the native reads with %s failed: %s", extra or "per-CPU builds",
+                     (done.stderr or done.stdout)[-300:])
+        else:
             raise OSError(errno.ENOEXEC, f"compiling the native reads failed: {(done.stderr or done.stdout)[-500:]}")
         os.replace(built, library)  # another process may have put the same file there: same bytes
+    _remove_stale(out_dir, keep=library)
     return library
+
+
+def _remove_stale(out_dir: Path, keep: Path) -> None:
+    """Remove the libraries in ``out_dir`` but ``keep`` unused for
+    :data:`STALE_LIBRARY_SECONDS` (a process that has one loaded keeps it
+    mapped); failures are logged."""
+    import time
+
+    cutoff = time.time() - STALE_LIBRARY_SECONDS
+    for old in out_dir.glob("readhash-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+                log.debug("removed the unused native reads library %s", old)
+        except OSError as exc:
+            log.warning("could not remove the unused native reads library %s: %s", old, exc)
 
 
 def _self_test(reads: NativeReads) -> str | None:

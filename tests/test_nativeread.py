@@ -168,3 +168,34 @@ def test_int4_codes_convert_as_chatkv_quant_dequantizes_them(reads: nativeread.N
     short = nativeread.Convert("uint4x2", target, row, scale[: len(scale) // 3], zero, **layout)
     with open(path, "rb") as f, pytest.raises(ValueError, match="bytes of scales where"):
         reads.read_hashed(f.fileno(), [(rows[: bs + 1].view(torch.uint8).numpy(), 3, short, 0)], slice_bytes)
+
+
+def test_a_new_build_falls_back_without_per_cpu_code_and_removes_stale_libraries(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """A compiler that refuses the per-CPU builds of the conversions still
+    gets a working library (built without them); building it removes the
+    cache's libraries unused for a month, not a recent one, and finding a
+    library in the cache marks it used."""
+    compiler = nativeread._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    picky = tmp_path / "picky-cc"
+    picky.write_text("#!/bin/sh\ncase \"$*\" in *-DCHATKV_NO_CLONES*) exec " + " ".join(compiler)
+                     + " \"$@\";; esac\necho 'no target_clones here' >&2\nexit 1\n")
+    picky.chmod(0o755)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale, recent = cache / "readhash-0000000000000000.so", cache / "readhash-1111111111111111.so"
+    for path in (stale, recent):
+        path.write_bytes(b"an older build")
+    month = nativeread.STALE_LIBRARY_SECONDS + 60
+    os.utime(stale, (os.path.getmtime(stale) - month,) * 2)
+    monkeypatch.setattr(nativeread, "_cache_dir", lambda: cache)
+    library = nativeread._build([str(picky)])
+    assert library.is_file() and not stale.exists() and recent.exists()
+    import xxhash._xxhash as extension
+
+    reads = nativeread.NativeReads(library, extension.__file__)
+    assert nativeread._self_test(reads) is None
+    os.utime(library, (1, 1))
+    assert nativeread._build([str(picky)]) == library and os.path.getmtime(library) > 1
