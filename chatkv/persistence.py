@@ -512,11 +512,13 @@ class KVPersister:
         thread takes them in order (:meth:`_read_chunk`). On a host pool, a
         chunk in the pool's own layout is read straight into its slots
         (:meth:`ChunkSource.read_into`: one copy, the checksum taken over each
-        slice where it landed); a compact chunk, or any chunk of a device
-        pool, is read into memory of its own and written into its slots by the
-        loop (which dequantizes it): on a device, or where reads wait for the
-        disk, as it comes, beside the next reads; on the CPU, reading from the
-        page cache, up to :data:`RESTORE_AHEAD` at once with the readers idle.
+        slice where it landed), and so is a compact chunk where the native
+        reads can dequantize it as it lands (:meth:`_converted`); any other
+        chunk (compact without the native reads, or of a device pool) is read
+        into memory of its own and written into its slots by the loop (which
+        dequantizes it): on a device, or where reads wait for the disk, as it
+        comes, beside the next reads; on the CPU, reading from the page cache,
+        up to :data:`RESTORE_AHEAD` at once with the readers idle.
         Chunks wholly inside the shared prefix are not read at all. What
         counts is the longest run of chunks from the start that all read and
         verified.
@@ -653,8 +655,8 @@ class KVPersister:
         the byte range of its reserved slots in each buffer list), straight
         into those slots where it can be: a KV tensor of the pool's dtype and
         ``shape`` as it is, a compact chunk dequantized as it is read
-        (:meth:`_converted`); returns None. Otherwise into
-        memory of its own: returns its tensors, for :meth:`_fill` on the loop.
+        (:meth:`_converted`); returns None. Otherwise into memory of its own:
+        returns its tensors, for :meth:`_fill` on the loop.
         Also returns whether most of its bytes came from the device rather
         than the page cache (:func:`_device_bytes_read`).
 
