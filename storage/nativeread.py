@@ -7,7 +7,7 @@ an ``update`` call, and between the two the reading thread needs the GIL
 back, which a restore's two reader threads (and the caller, templating the
 turn) hand back and forth.
 
-This module builds, once per machine, a C function of a few lines that runs
+This module builds, once per machine, a small C library whose function runs
 the same loop over a whole chunk (``pread`` a slice, feed it to the hash,
 next), and calls it through :mod:`ctypes`, which releases the GIL for the
 call. The hash is xxhash's own: the functions the ``xxhash`` package's
@@ -22,18 +22,23 @@ this project's 2-CPU AMD VM).
 The same call converts a compact chunk's codes as they land
 (:class:`Convert`): each slice of whole rows is read into memory of the
 call's own (in the core's cache), hashed there, and written where it goes,
-each row times its float32 scale, rounded once to float32 or bfloat16: what
-:mod:`chatkv.quant` computes for int8, fp8 and the float16/bfloat16 casts,
-bit for bit (checked on probe rows of every type before use). A compact
+each row times its float32 scale (int4: code times scale plus offset),
+computed in float32 and rounded once to float32 or bfloat16: what
+:mod:`chatkv.quant` computes for int8, fp8, int4 and the float16/bfloat16
+casts, bit for bit (the tests compare them; before use, the library is
+checked on probe rows of every type against the same arithmetic done
+here in Python). A compact
 chunk is then one pass from the page cache into the pool, in the reader
 threads, instead of a read into memory and a dequantization by the engine's
 loop. The conversions are built for AVX-512, AVX2 and any x86-64 where the
-compiler is GCC 12 or later (``target_clones``); elsewhere once, plainly.
+compiler is GCC 12 or later (``target_clones``); elsewhere, or where the
+compiler refuses them, once, plainly.
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
 into the user's cache directory (``readhash-<tag>.so``, the tag a hash of the
-source and the compiler); later processes load that file. A read never waits
+source, the compiler and its flags; about 1 s); later processes load that
+file, and a new build removes the libraries unused for a month. A read never waits
 for it: until it is ready (or where it cannot be: no compiler, no exported
 xxhash functions, ``CHATKV_NATIVE_READ=0``), :func:`reader` returns None and
 chunks are read in Python, as before; the log says once why.
