@@ -296,22 +296,16 @@ long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pie
             update(state, p, (size_t)left);
             continue;
         }
-        if (q->conv == 0) {
+        if (q->conv == 0) {  /* straight into place, a slice at a time */
             while (left > 0 && status == 0) {
                 size_t want = left < slice ? (size_t)left : (size_t)slice;
-                ssize_t got = pread(fd, p, want, (off_t)at);
-                if (got < 0) {
-                    if (errno == EINTR)
-                        continue;
-                    status = -(long long)errno;
-                } else if (got == 0) {
-                    status = -(1LL << 40);
-                } else {
-                    update(state, p, (size_t)got);
-                    p += got;
-                    at += got;
-                    left -= got;
-                    total += got;
+                status = chatkv_fill(fd, p, want, at);
+                if (status == 0) {
+                    update(state, p, want);
+                    p += want;
+                    at += (long long)want;
+                    left -= (long long)want;
+                    total += (long long)want;
                 }
             }
             continue;
