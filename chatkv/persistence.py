@@ -666,6 +666,9 @@ class KVPersister:
         source = stored.open(index)
         if into is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
             views, shared, lo, hi = into
+            # A scratch piece per layer: the Python read path fills several pieces per
+            # preadv before hashing them, so one piece used twice would lose bytes.
+            # (_converted's codes are hashed in the native call's own buffer: one serves.)
             scratch = memoryview(bytearray(len(views) * shared))
             buffers: list[memoryview] = []
             for j, layer in enumerate(views):
