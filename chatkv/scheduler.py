@@ -84,8 +84,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: The loop exits after this long with nothing to do (and restarts on the next
-#: turn or job), so an engine nobody uses holds no thread.
+#: turn or job) while another engine's loop runs in the process: each loop
+#: thread that ran the model holds an OpenMP pool, and once the pools' threads
+#: outnumber the cores libgomp stops letting them spin, which makes every
+#: operator slower.
 IDLE_EXIT_S = 2.0
+#: Alone in the process, an idle loop keeps its thread this long: a turn on a
+#: new loop thread pays for a new OpenMP pool and the thread's first steps
+#: (a REPL turn after a 2.5 s pause took 8 to 18 ms more to its first token
+#: than one after 1.5 s, when the loop thread still ran; SmolLM2, 1.8k tokens).
+LONE_IDLE_EXIT_S = 600.0
+#: The schedulers whose loop thread runs, in this process.
+_LOOPS: "set[Scheduler]" = set()
+_LOOPS_LOCK = threading.Lock()
 #: How long the loop sleeps when no turn can make progress (all blocked on blocks).
 _STALL_WAIT_S = 0.01
 #: How often a blocked consumer checks that the loop is still alive.
@@ -197,7 +208,8 @@ class Scheduler:
     Thread-safe: :meth:`submit`, :meth:`stream`, :meth:`cancel`, :meth:`run`
     and :meth:`submit_job` may be called from any thread. The loop thread
     starts on the first submission and exits after :data:`IDLE_EXIT_S`
-    without work. The engine's pool is bound to it: with
+    without work where another engine's loop runs in the process, after
+    :data:`LONE_IDLE_EXIT_S` where none does. The engine's pool is bound to it: with
     ``CHATKV_CHECK_OWNER=1`` any pool access from another thread fails.
     """
 
@@ -234,7 +246,7 @@ class Scheduler:
         """Refuse new turns and jobs (:class:`~chatkv.errors.EngineClosedError`),
         let the loop finish what is queued or in flight, and wait up to
         ``timeout`` seconds for its thread to end (at once, where it would
-        otherwise idle for :data:`IDLE_EXIT_S`). Returns whether it ended.
+        otherwise idle first). Returns whether it ended.
         Idempotent; called from the loop itself, it does not wait."""
         if self.threads is not None:
             self.threads.close()
@@ -405,10 +417,26 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        with _LOOPS_LOCK:
+            _LOOPS.add(self)
+        try:
+            self._run_loop()
+        finally:
+            with _LOOPS_LOCK:
+                _LOOPS.discard(self)
+
+    def _idle_exit(self, idle_since: float) -> bool:  # under self._mu, after IDLE_EXIT_S without work
+        with _LOOPS_LOCK:
+            alone = _LOOPS == {self}
+        return not alone or time.monotonic() - idle_since >= LONE_IDLE_EXIT_S
+
+    def _run_loop(self) -> None:
         while True:
             with self._mu:
+                idle_since = time.monotonic()
                 while not (self._incoming or self._jobs or self._waiting or self._running):
-                    if self._closed or (not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs)):
+                    if self._closed or (not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs)
+                                        and self._idle_exit(idle_since)):
                         self._thread = None
                         return
                 for req in self._incoming:

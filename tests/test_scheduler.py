@@ -311,3 +311,25 @@ def test_the_loop_lets_a_turns_consumer_take_its_first_text_before_the_next_step
     assert first and len(chat.last_stats.token_ids) == 8 and chat.last_stats.text == first + rest
     chat.close()
     engine.close()
+
+
+def test_an_idle_loop_keeps_its_thread_alone_and_gives_way_beside_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A turn on a new loop thread pays for a new OpenMP pool; two idle loops' pools crowd the cores.
+    from chatkv import scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.02)
+    monkeypatch.setattr(scheduler, "_LOOPS", set())  # other tests' idle loops are not this test's
+    a, b = make_engine(warmup=False), make_engine(warmup=False)
+    try:
+        a.call(lambda: None)
+        loop = a.scheduler._thread
+        assert loop is not None
+        loop.join(timeout=0.5)  # 25 idle waits
+        assert loop.is_alive() and a.call(threading.current_thread) is loop  # the same thread runs the next job
+        b.call(lambda: None)  # another engine's loop runs: the idle one ends
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+        assert a.call(lambda: 7) == 7  # and a new one starts for the next job
+    finally:
+        a.close()
+        b.close()
