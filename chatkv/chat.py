@@ -15,7 +15,7 @@ from chatkv.errors import ConfigError, InvalidMessageError, InvalidSessionIdErro
 from chatkv.models import LoadedModel
 from chatkv.persistence import default_store
 from chatkv import history
-from chatkv.session import CONTEXT_POLICIES, Message, Session, SinkPolicy, rope_shift
+from chatkv.session import CONTEXT_POLICIES, DEFAULT_CHUNK_TOKENS, Message, Session, SinkPolicy, rope_shift
 from chatkv.stats import RestoreInfo, TurnStats
 from chatkv.storage import InvalidSessionIdError as _StorageIdError
 from chatkv.storage import Store
@@ -23,8 +23,6 @@ from chatkv.storage import validate_session_id as _validate_id
 from chatkv.tiers import Tier
 
 __all__ = ["Chat", "Message", "TurnStats", "validate_session_id"]
-
-DEFAULT_CHUNK_TOKENS = 256
 
 
 def validate_session_id(session_id: object) -> str:

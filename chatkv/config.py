@@ -120,7 +120,11 @@ class EngineConfig:
             compilation, allocator growth, the chat template's compilation,
             the first :data:`WARMUP_POOL_BYTES` of a host pool's pages, the
             oneDNN kernels of steps of up to :data:`WARMUP_LINEAR_ROWS` tokens).
-            A turn asked for meanwhile starts once it is done.
+            A turn asked for meanwhile starts once it is done. After it and
+            the compile, a throwaway session in a temporary store rehearses
+            the whole path of a returning turn a few times (saved, reopened
+            from disk, a short turn: :meth:`chatkv.session.SessionManager.rehearse`;
+            ``CHATKV_REHEARSAL=0`` leaves it out).
         prepack: pack the weights of the model's linear layers once for
             oneDNN on the CPU (:mod:`chatkv.prepack`; about 1.2x faster decode
             steps in bfloat16 and float32 here), where the ops exist and agree

@@ -172,17 +172,42 @@ class Engine:
             else:
                 log.debug("the decode step is not compiled: %s", why)
                 self.compiled.set_result(0)
-        # Once warmed up (and compiled), the heap made so far stays out of the
+        # Once warmed up and compiled, the rehearsal of a returning turn runs
+        # (SessionManager.rehearse), then the heap made so far stays out of the
         # garbage collector's walks until close (chatkv.heap).
         self._heap_lock = threading.Lock()
-        self._heap_frozen = self._heap_closed = False
-        self._heap_settled = threading.Event()  # frozen, or left alone
+        self._heap_frozen = self._heap_closed = self._settling = False
+        self._heap_settled = threading.Event()  # rehearsed and frozen, or left alone
+        #: The rehearsal after the warm-up (:meth:`chatkv.session.SessionManager.rehearse`):
+        #: its result is the returning turns it ran; None if warm-up is off.
+        self.rehearsed: Future[int] | None = None
         if self.warmed is not None:
+            self.rehearsed = Future()
             startup = [self.warmed, self.compiled]
             for job in startup:
-                job.add_done_callback(lambda _: all(f.done() for f in startup) and self._freeze_heap())
+                job.add_done_callback(lambda _: all(f.done() for f in startup) and self._settle())
         else:
             self._heap_settled.set()
+
+    def _settle(self) -> None:
+        """Once the warm-up and the compile are done: in a thread of its own,
+        the rehearsal of a returning conversation's turn
+        (:meth:`chatkv.session.SessionManager.rehearse`), then the heap frozen
+        (:meth:`_freeze_heap`). Once."""
+        with self._heap_lock:
+            if self._settling:
+                return
+            self._settling = True
+
+        def run() -> None:
+            turns = 0
+            try:
+                turns = self.sessions.rehearse()
+            finally:
+                self.rehearsed.set_result(turns)  # type: ignore[union-attr]
+                self._freeze_heap()
+
+        threading.Thread(target=run, name="chatkv-rehearsal", daemon=True).start()
 
     def _freeze_heap(self) -> None:
         """After the warm-up and the compile: freeze the heap made so far
@@ -195,10 +220,10 @@ class Engine:
             self._heap_settled.set()
 
     def wait_warm(self, timeout: float | None = None) -> int:
-        """Block until the background warm-up and the decode step's compile have
-        finished (and the heap they leave is frozen, :mod:`chatkv.heap`), so
-        that what follows is timed without them; returns the tokens
-        the warm-up ran (0 when warm-up is off).
+        """Block until the background warm-up, the decode step's compile and
+        the rehearsal of a returning turn have finished (and the heap they
+        leave is frozen, :mod:`chatkv.heap`), so that what follows is timed
+        without them; returns the tokens the warm-up ran (0 when warm-up is off).
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds.
@@ -366,8 +391,9 @@ class Engine:
     def close(self, timeout: float | None = 60.0) -> None:
         """Close the engine: close every session still open on it (each saved
         and its lease released, as :meth:`chatkv.Chat.close` does), stop its
-        maintenance thread, and end its loop thread now instead of after
-        :data:`chatkv.scheduler.IDLE_EXIT_S` idle. Each loop thread that ran
+        maintenance thread, and end its loop thread now instead of once idle
+        (:data:`chatkv.scheduler.IDLE_EXIT_S` beside another engine's loop,
+        :data:`~chatkv.scheduler.LONE_IDLE_EXIT_S` alone). Each loop thread that ran
         the model holds an OpenMP thread pool: a process that makes engines
         one after another should close each, or their pools outnumber the
         cores and every operator slows down. Afterwards turns, jobs and new

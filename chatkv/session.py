@@ -22,20 +22,25 @@ A turn, whatever started it (``send``, ``append``, ``regenerate``, ``edit``):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chatkv.block_pool import Alignment
 from chatkv.sequence import Shift
-from chatkv.config import SamplingParams
+from chatkv.config import SamplingParams, switched_off
 from chatkv.errors import ChatKVWarning, ContextWindowExceededError, InvalidMessageError, InvalidSessionIdError, SessionBusyError
 from chatkv.persistence import KVPersister, SavedKV, Snapshot, saved_from
 from chatkv.stats import RestoreInfo, TurnStats
@@ -59,6 +64,20 @@ ROLES = ("system", "user", "assistant")
 #: sink in whole blocks and shifting the kept keys' rotary positions in place
 #: (:mod:`chatkv.rope`), so nothing is re-prefilled (see :class:`SinkPolicy`).
 CONTEXT_POLICIES = ("error", "trim", "sink")
+#: Tokens per KV chunk file of a stored session, unless ``Chat(chunk_tokens=...)`` says otherwise.
+DEFAULT_CHUNK_TOKENS = 256
+#: ``CHATKV_REHEARSAL=0`` turns off the warm-up's rehearsal (:meth:`SessionManager.rehearse`).
+REHEARSAL_ENV = "CHATKV_REHEARSAL"
+#: Returning turns the rehearsal runs, each reopened from disk. A fresh
+#: process's first turn over 1.8k tokens took 1.10x to 1.18x its later ones
+#: (medians over ten processes each) until the open, restore and turn paths
+#: had run a few times in the process, over more than 1,024 tokens of history.
+REHEARSAL_TURNS = 3
+#: History tokens of the rehearsal's session: four chunk files and a tail,
+#: past the position from which a CPU turn's rows attend by products
+#: (``chatkv.attention.torch_backend.PRODUCTS_FROM_POSITION``), as a long
+#: conversation's do.
+REHEARSAL_HISTORY_TOKENS = 4 * DEFAULT_CHUNK_TOKENS + 96
 
 
 @dataclass(frozen=True)
@@ -652,6 +671,7 @@ class SessionManager:
         self._stores: dict[int, "Store"] = {}
         self._maint_stop: threading.Event | None = None
         self._last_store_gc = time.monotonic()
+        self._opens = 0  # calls of open(), for the rehearsal to notice another session's
         self.start_maintenance()
 
     # -- open and close ------------------------------------------------------------------
@@ -668,6 +688,8 @@ class SessionManager:
             SessionLockedError: another process holds it.
             StorageError: the store failed.
         """
+        with self._mu:
+            self._opens += 1
         if store is None:
             with self._mu:
                 session = self._local.get(session_id)
@@ -915,6 +937,101 @@ class SessionManager:
                     log.info("disk policy: expired %d, over budget %d, removed %d files",
                              len(report.expired_sessions), len(report.over_budget_sessions), report.files_removed)
 
+    def rehearse(self, turns: int = REHEARSAL_TURNS) -> int:
+        """The warm-up's rehearsal of a returning conversation: a throwaway
+        session in a store of its own (SQLite in a temporary directory, removed
+        after), prefilled with :data:`REHEARSAL_HISTORY_TOKENS` of history and
+        saved, then ``turns`` times reopened, its KV read back from its chunk
+        files by the restore path, and given a two-token turn, so that the
+        first turn of a session in this process finds every step of that path
+        run before (the index and the lease, the restore's reads, templating,
+        the turn's steps and sampling, its save). Its blocks are freed after
+        each turn, never kept for the prefix cache, and the counters a turn
+        moves (tier hits, the pool's prefix counters, the scheduler's) are put
+        back as they were. Another session comes first: none is started while
+        one is open on this engine, and none after another opened meanwhile
+        (the counters then stay as they are). Off with ``CHATKV_REHEARSAL=0``.
+
+        Returns the turns run (0 when skipped). Never raises: a failure (no
+        room in the pool or the window, no writable temporary directory, the
+        engine closing) is logged and ends the rehearsal.
+        """
+        engine = self.engine
+        if switched_off(REHEARSAL_ENV) or self._in_use():
+            return 0
+        started = time.perf_counter()
+        target = min(REHEARSAL_HISTORY_TOKENS, engine.max_context // 2)
+        room = engine.call(lambda: engine.pool.num_available * engine.pool.block_size, "rehearsal: room")
+        if room < 2 * target:  # its history, turns and a margin: a pool this small is left to real turns
+            log.debug("no rehearsal: %d free slots in the pool", room)
+            return 0
+        history = _rehearsal_history(engine, target)
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        with self._mu:
+            opens = self._opens
+        counters = engine.call(lambda: _counters(engine), "rehearsal: counters")
+        ran = 0
+        home = None
+        store: "Store | None" = None
+        try:
+            from chatkv.storage import Store
+
+            _sweep_rehearsal_homes()
+            home = tempfile.mkdtemp(prefix=f"{REHEARSAL_PREFIX}{os.getpid()}-")
+            _REHEARSAL_HOMES.add(home)
+            store = Store(home)
+            for i in range(turns + 1):
+                with self._mu:
+                    interrupted = self._opens != opens + i
+                if interrupted or self._in_use():
+                    log.debug("rehearsal stopped after %d turns: another session opened", ran)
+                    return ran
+                session = self.open(REHEARSAL_SESSION_ID, store=store, chunk_tokens=DEFAULT_CHUNK_TOKENS)
+                try:
+                    session.begin_turn()
+                    try:
+                        if i == 0:
+                            session.prefill(history, TurnStats())
+                        else:
+                            user = Message("user", "Say hello.")
+                            for _ in session.turn(session.messages + [user], params, TurnStats()):
+                                pass
+                            ran += 1
+                    finally:
+                        session.end_turn()
+                    seq = session.kv.seq
+                    engine.call(lambda: engine.pool.discard(seq), "rehearsal: free its blocks")
+                finally:
+                    self.close(session)
+            with self._mu:
+                alone = self._opens == opens + turns + 1
+            if alone and not self._in_use():
+                engine.call(lambda: _restore_counters(engine, counters), "rehearsal: counters back")
+            log.debug("rehearsal: %d returning turns in %.2f s", ran, time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - only the first turn's speed depends on it; say why
+            if engine.scheduler.closed:
+                log.debug("rehearsal ended by the engine's close after %d turns", ran)
+            else:
+                log.warning("the warm-up's rehearsal failed after %d turns (a session's first turn pays its "
+                            "first-call costs): %s", ran, exc, exc_info=True)
+        finally:
+            if store is not None:
+                with self._mu:
+                    self._stores.pop(id(store), None)
+                try:
+                    store.close()
+                except Exception:  # noqa: BLE001 - its directory goes below anyway
+                    log.warning("closing the rehearsal's store failed", exc_info=True)
+            if home is not None:
+                shutil.rmtree(home, ignore_errors=True)
+                _REHEARSAL_HOMES.discard(home)
+        return ran
+
+    def _in_use(self) -> bool:
+        """Whether a session is open on this engine (an in-process one kept after
+        its close is not)."""
+        return any(s.handles > 0 for s in self._all())
+
     def start_maintenance(self) -> None:
         """(Re)start the background maintenance thread at the configured interval
         (stopping it when there is none). Failures are logged, never swallowed."""
@@ -941,3 +1058,63 @@ class SessionManager:
             self._maint_stop.set()
             self._maint_stop = None
 
+
+#: The rehearsal's session id (in its own temporary store).
+REHEARSAL_SESSION_ID = "chatkv-rehearsal"
+#: Its store's directory in the temporary directory: this prefix, the process id, a dash.
+REHEARSAL_PREFIX = "chatkv-rehearsal-"
+_REHEARSAL_HOMES: set[str] = set()  # this process's rehearsal stores not removed yet
+
+
+@atexit.register
+def _remove_rehearsal_homes() -> None:
+    """At exit: the store of a rehearsal the exit cut short (its thread is a daemon)."""
+    for home in list(_REHEARSAL_HOMES):
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _sweep_rehearsal_homes() -> None:
+    """Remove rehearsal stores this user's processes left in the temporary
+    directory when they were killed (their process is gone)."""
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(f"{REHEARSAL_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(REHEARSAL_PREFIX):].split("-", 1)[0])
+            if path.stat().st_uid != os.getuid() or pid == os.getpid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.info("removing %s, the rehearsal store of a process that is gone", path)
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, OSError):  # not ours, or alive (PermissionError)
+            continue
+
+
+def _rehearsal_history(engine: "Engine", target: int) -> list[Message]:
+    """A made-up history of whole exchanges of at least ``target`` tokens
+    (fewer only where 32 exchanges do not reach it)."""
+    text = "The rehearsal of a returning conversation: nothing here is ever read again. " * 6
+    history: list[Message] = []
+    while len(history) < 64:
+        history += [Message("user", text), Message("assistant", text)]
+        if len(engine.encode_chat([m.as_dict() for m in history], add_generation_prompt=False)) >= target:
+            break
+    return history
+
+
+def _counters(engine: "Engine") -> tuple:
+    """On the loop: the counters a turn moves (tier hits and misses, the
+    pool's prefix and eviction counters, the scheduler's), copied."""
+    tiers, pool = engine.tiers, engine.pool
+    return (dict(tiers.hits), tiers.misses, dict(tiers.demotions), pool.prefix_hits, pool.prefix_misses,
+            pool.evictions, dataclasses.replace(engine.scheduler.stats))
+
+
+def _restore_counters(engine: "Engine", saved: tuple) -> None:
+    """On the loop: put back the counters :func:`_counters` copied (the
+    scheduler's thread gauge and its changes excepted: the rehearsal moves neither)."""
+    tiers, pool, stats = engine.tiers, engine.pool, engine.scheduler.stats
+    tiers.hits, tiers.misses, tiers.demotions, pool.prefix_hits, pool.prefix_misses, pool.evictions, old = saved
+    for f in dataclasses.fields(old):
+        if f.name not in ("threads", "thread_changes"):
+            setattr(stats, f.name, getattr(old, f.name))

@@ -26,6 +26,9 @@ os.environ.setdefault("CHATKV_ADAPT_THREADS", "0")
 # Sessions on disk are always read back, not recomputed, unless a test asks
 # (the "auto" choice depends on measured timings; tests/test_costs.py covers it).
 os.environ.setdefault("CHATKV_RESTORE_POLICY", "restore")
+# No rehearsal of a returning turn after each engine's warm-up (it would open a
+# store and run turns beside the test's own; tests/test_warmup.py covers it).
+os.environ.setdefault("CHATKV_REHEARSAL", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,11 +1,21 @@
-"""The engine's background warm-up: a throwaway turn that leaves no trace but warm kernels."""
+"""The engine's background warm-up: throwaway turns that leave no trace but warm kernels and code paths."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from chatkv import Chat, EngineConfig
 from chatkv.config import WARMUP_CONTEXT_TOKENS, WARMUP_DECODE_STEPS, WARMUP_DELTA_TOKENS, WARMUP_PROMPT_TOKENS
 from chatkv.engine import Engine
 from chatkv.models import load_model
+from chatkv.session import REHEARSAL_PREFIX, REHEARSAL_SESSION_ID, REHEARSAL_TURNS
 
 NEW_TURN = WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
 RETURNING_TURN = WARMUP_CONTEXT_TOKENS + WARMUP_DELTA_TOKENS + WARMUP_DECODE_STEPS
@@ -109,3 +119,64 @@ def test_the_warm_up_leaves_a_long_prefills_attention_buffers_in_the_process() -
     warmed, cold = faults("on"), faults("off")
     assert cold > buffers // 2, cold  # without it, the first long prefill writes fresh pages
     assert warmed < cold // 4, (warmed, cold)  # with it, its attention's are there (its mask is not)
+
+
+def _pool_and_counters(engine: Engine) -> tuple:
+    tiers, pool = engine.tier_stats(), engine.pool_stats()
+    sched = dataclasses.replace(engine.scheduler.stats, jobs=0)  # the reads below are jobs themselves
+    return tiers.hits, tiers.misses, tiers.demotions, pool, sched
+
+
+def test_the_rehearsal_reopens_a_saved_session_from_disk_and_leaves_no_trace(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CHATKV_REHEARSAL", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its store goes, to see it go
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    left = tmp_path / f"{REHEARSAL_PREFIX}{int(gone.stdout)}-x"  # a killed process's rehearsal store
+    (left / "kv").mkdir(parents=True)
+    alive = tmp_path / f"{REHEARSAL_PREFIX}{os.getppid()}-y"  # a running one's
+    alive.mkdir()
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=1200, block_size=4))
+    try:
+        engine.wait_warm(timeout=120)
+        assert engine.rehearsed is not None and engine.rehearsed.result(timeout=120) == REHEARSAL_TURNS
+        assert engine.costs.disk.predict(1 << 20) is not None  # its restores read chunk files, and were timed
+        hits, misses, demotions, pool, sched = _pool_and_counters(engine)
+        assert sum(hits.values()) == misses == sum(demotions.values()) == 0  # its counts were put back
+        assert (pool.free_blocks, pool.cached_blocks, pool.prefix_hit_blocks, pool.evicted_blocks) == (1200, 0, 0, 0)
+        assert sched.submitted == sched.finished == sched.steps == 0
+        assert list(tmp_path.iterdir()) == [alive]  # its store is gone, and the dead process's
+        assert engine.sessions.get(REHEARSAL_SESSION_ID) is None
+        with Chat("after", engine=engine, persist=False, max_new_tokens=4) as chat:  # the engine serves as before
+            chat.send("hello")
+            assert engine.tier_stats().hits["device"] == 1 and engine.scheduler.stats.finished == 1
+    finally:
+        engine.close()
+
+
+def test_the_rehearsal_gives_way_to_a_session_already_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATKV_REHEARSAL", "1")
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=1200, block_size=4, warmup=False))
+    try:
+        assert engine.rehearsed is None  # no warm-up, no rehearsal
+        with Chat("first", engine=engine, persist=False, max_new_tokens=4) as chat:
+            chat.send("hello")
+            before = _pool_and_counters(engine)
+            assert engine.sessions.rehearse() == 0
+            assert _pool_and_counters(engine) == before
+        assert engine.sessions.rehearse() == REHEARSAL_TURNS  # alone again
+    finally:
+        engine.close()
+
+
+def test_the_rehearsal_is_off_where_asked_and_where_the_pool_is_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=200, block_size=4, warmup=False))
+    try:
+        monkeypatch.setenv("CHATKV_REHEARSAL", "0")
+        assert small.sessions.rehearse() == 0
+        monkeypatch.setenv("CHATKV_REHEARSAL", "1")
+        assert small.sessions.rehearse() == 0  # 800 slots: less than twice its history
+        assert small.pool_stats().free_blocks == 200
+    finally:
+        small.close()
