@@ -73,7 +73,7 @@ from chatkv.runner import StepInput
 from chatkv.sampling import Sampler
 from chatkv.sequence import Sequence
 from chatkv.stats import TurnStats
-from chatkv.threads import ThreadGovernor
+from chatkv.threads import ThreadGovernor, release_openmp_pool
 
 __all__ = ["Job", "Pending", "Request", "Scheduler", "SchedulerStats", "next_nonblocking"]
 
@@ -89,10 +89,12 @@ T = TypeVar("T")
 #: outnumber the cores libgomp stops letting them spin, which makes every
 #: operator slower.
 IDLE_EXIT_S = 2.0
-#: Alone in the process, an idle loop keeps its thread this long: a turn on a
-#: new loop thread pays for a new OpenMP pool and the thread's first steps
-#: (a REPL turn after a 2.5 s pause took 8 to 18 ms more to its first token
-#: than one after 1.5 s, when the loop thread still ran; SmolLM2, 1.8k tokens).
+#: Alone in the process, an idle loop keeps its thread this long, its OpenMP
+#: pool let go after :data:`IDLE_EXIT_S` (:func:`chatkv.threads.release_openmp_pool`)
+#: so that its workers do not crowd another thread's operators: a turn on a new
+#: loop thread paid for its first steps there (a REPL turn after a 2.5 s pause
+#: took 8 to 18 ms more to its first token than one after 1.5 s, when the loop
+#: thread still ran; SmolLM2, 1.8k tokens).
 LONE_IDLE_EXIT_S = 600.0
 #: The schedulers whose loop thread runs, in this process.
 _LOOPS: "set[Scheduler]" = set()
@@ -434,11 +436,18 @@ class Scheduler:
         while True:
             with self._mu:
                 idle_since = time.monotonic()
+                pool_kept = True
                 while not (self._incoming or self._jobs or self._waiting or self._running):
-                    if self._closed or (not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs)
-                                        and self._idle_exit(idle_since)):
+                    if self._closed:
                         self._thread = None
                         return
+                    if not self._wake.wait(IDLE_EXIT_S) and not (self._incoming or self._jobs):
+                        if self._idle_exit(idle_since):
+                            self._thread = None
+                            return
+                        if pool_kept:  # idle and alone: the thread stays, its workers go
+                            pool_kept = False
+                            release_openmp_pool()
                 for req in self._incoming:
                     bisect.insort(self._waiting, req, key=lambda r: r.arrival)
                 self._incoming.clear()

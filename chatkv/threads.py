@@ -24,6 +24,8 @@ time.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 import os
@@ -37,6 +39,39 @@ from chatkv.config import switched_off
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+#: ``omp_pause_soft`` of OpenMP 5.0's ``omp_pause_resource_t``.
+_OMP_PAUSE_SOFT = 1
+
+
+@functools.lru_cache(maxsize=1)
+def _pause_resource() -> "Callable[[int], int] | None":
+    """``omp_pause_resource_all`` of the OpenMP runtime loaded in this process
+    (torch's libgomp, or an Intel OpenMP), or None where there is none."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = sorted({line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+def release_openmp_pool() -> bool:
+    """Let the calling thread's OpenMP pool go (its worker threads exit; the
+    thread's next parallel operator starts a new one): what an idle engine
+    loop that keeps its thread does, so that its workers do not count beside
+    another thread's pool (see the module's docstring). Returns whether the
+    runtime did it (False where none is loaded or the call is missing)."""
+    fn = _pause_resource()
+    return fn is not None and fn(_OMP_PAUSE_SOFT) == 0
 
 
 def in_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -86,3 +86,33 @@ def test_a_busy_neighbour_takes_the_loop_down_to_one_thread_and_back() -> None:
             engine.close()
         os.sched_setaffinity(0, old_cpus)
         torch.set_num_threads(old_threads)
+
+
+_RELEASE_PROBE = """
+import os, threading, torch
+from chatkv.threads import release_openmp_pool
+
+torch.set_num_threads(2)
+def native():  # OS threads that are not Python's: OpenMP workers among them
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+x = torch.randn(256, 256)
+(x @ x).sum()  # this thread's pool: one worker beside it
+with_pool = native()
+released = release_openmp_pool()
+without = native()
+(x @ x).sum()  # a new pool for the next operator
+print(with_pool, released, without, native())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_thread_lets_its_openmp_pool_go_and_gets_a_new_one_with_its_next_operator() -> None:
+    # An idle engine loop alone in the process keeps its thread but not its workers.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], capture_output=True, text=True, check=True,
+                          env=env, cwd=root)
+    with_pool, released, without, again = done.stdout.split()
+    assert released == "True"
+    assert int(with_pool) > int(without) and int(again) == int(with_pool), done.stdout
