@@ -69,9 +69,9 @@ DEFAULT_CHUNK_TOKENS = 256
 #: ``CHATKV_REHEARSAL=0`` turns off the warm-up's rehearsal (:meth:`SessionManager.rehearse`).
 REHEARSAL_ENV = "CHATKV_REHEARSAL"
 #: Returning turns the rehearsal runs, each reopened from disk. A fresh
-#: process's first turn over 1.8k tokens took 1.10x to 1.18x its later ones
-#: (medians over ten processes each) until the open, restore and turn paths
-#: had run a few times in the process, over more than 1,024 tokens of history.
+#: process's first turn over 1.8k tokens took 1.10x to 1.18x the median of its
+#: next three without a rehearsal, 1.05x to 1.11x with one (medians over six
+#: to ten processes per probe; the VM's noise is about as large).
 REHEARSAL_TURNS = 3
 #: History tokens of the rehearsal's session: four chunk files and a tail,
 #: past the position from which a CPU turn's rows attend by products
@@ -1080,7 +1080,7 @@ def _sweep_rehearsal_homes() -> None:
     for path in root.glob(f"{REHEARSAL_PREFIX}*-*"):
         try:
             pid = int(path.name[len(REHEARSAL_PREFIX):].split("-", 1)[0])
-            if path.stat().st_uid != os.getuid() or pid == os.getpid():
+            if pid == os.getpid() or path.stat().st_uid != getattr(os, "getuid", lambda: 0)():
                 continue
             os.kill(pid, 0)
         except ProcessLookupError:
