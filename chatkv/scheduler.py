@@ -91,7 +91,8 @@ T = TypeVar("T")
 IDLE_EXIT_S = 2.0
 #: Alone in the process, an idle loop keeps its thread this long, its OpenMP
 #: pool let go after :data:`IDLE_EXIT_S` (:func:`chatkv.threads.release_openmp_pool`)
-#: so that its workers do not crowd another thread's operators: a turn on a new
+#: so that its workers do not crowd another thread's operators (where the
+#: runtime cannot let it go, the thread ends then, as beside another loop): a turn on a new
 #: loop thread paid for its first steps there (a REPL turn after a 2.5 s pause
 #: took 8 to 18 ms more to its first token than one after 1.5 s, when the loop
 #: thread still ran; SmolLM2, 1.8k tokens).
@@ -447,7 +448,9 @@ class Scheduler:
                             return
                         if pool_kept:  # idle and alone: the thread stays, its workers go
                             pool_kept = False
-                            release_openmp_pool()
+                            if not release_openmp_pool():  # no runtime call for it: the thread goes, as beside others
+                                self._thread = None
+                                return
                 for req in self._incoming:
                     bisect.insort(self._waiting, req, key=lambda r: r.arrival)
                 self._incoming.clear()

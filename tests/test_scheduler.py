@@ -333,3 +333,20 @@ def test_an_idle_loop_keeps_its_thread_alone_and_gives_way_beside_another(monkey
     finally:
         a.close()
         b.close()
+
+
+def test_a_lone_idle_loop_that_cannot_let_its_openmp_pool_go_ends_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chatkv import scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.02)
+    monkeypatch.setattr(scheduler, "_LOOPS", set())
+    monkeypatch.setattr(scheduler, "release_openmp_pool", lambda: False)  # no OpenMP runtime call for it
+    engine = make_engine(warmup=False)
+    try:
+        engine.call(lambda: None)
+        loop = engine.scheduler._thread
+        assert loop is not None
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+    finally:
+        engine.close()
