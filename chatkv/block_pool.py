@@ -204,6 +204,18 @@ class BlockPool:
         self.evictions = 0
         self._is_owner: Callable[[], bool] | None = None
 
+    def counters(self) -> tuple[int, int, int]:
+        """The prefix cache's hits and misses and the evictions so far, for
+        :meth:`restore_counters`."""
+        self._check()
+        return self.prefix_hits, self.prefix_misses, self.evictions
+
+    def restore_counters(self, saved: tuple[int, int, int]) -> None:
+        """Put back counters :meth:`counters` returned (after work that is not
+        to count, such as the warm-up's rehearsal)."""
+        self._check()
+        self.prefix_hits, self.prefix_misses, self.evictions = saved
+
     def bind_owner(self, is_owner: Callable[[], bool]) -> None:
         """Declare who owns the pool: ``is_owner()`` is true on the owning thread only.
 

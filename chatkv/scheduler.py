@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -240,6 +240,18 @@ class Scheduler:
             self.stats.threads = self.threads.current
             self.threads.start(owner=self)
         engine.pool.bind_owner(self.on_loop)
+
+    def counters(self) -> SchedulerStats:
+        """A copy of :attr:`stats`, for :meth:`restore_counters`."""
+        return replace(self.stats)
+
+    def restore_counters(self, saved: SchedulerStats) -> None:
+        """Put back the counters of a copy :meth:`counters` made (after work
+        that is not to count, such as the warm-up's rehearsal), except the
+        thread gauge and its changes, which follow other processes' load."""
+        for f in fields(saved):
+            if f.name not in ("threads", "thread_changes"):
+                setattr(self.stats, f.name, getattr(saved, f.name))
 
     def on_loop(self) -> bool:
         """True when called from the loop thread."""

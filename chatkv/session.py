@@ -1104,17 +1104,13 @@ def _rehearsal_history(engine: "Engine", target: int) -> list[Message]:
 
 def _counters(engine: "Engine") -> tuple:
     """On the loop: the counters a turn moves (tier hits and misses, the
-    pool's prefix and eviction counters, the scheduler's), copied."""
-    tiers, pool = engine.tiers, engine.pool
-    return (dict(tiers.hits), tiers.misses, dict(tiers.demotions), pool.prefix_hits, pool.prefix_misses,
-            pool.evictions, dataclasses.replace(engine.scheduler.stats))
+    pool's prefix and eviction counters, the scheduler's), copied by their owners."""
+    return engine.tiers.counters(), engine.pool.counters(), engine.scheduler.counters()
 
 
 def _restore_counters(engine: "Engine", saved: tuple) -> None:
-    """On the loop: put back the counters :func:`_counters` copied (the
-    scheduler's thread gauge and its changes excepted: the rehearsal moves neither)."""
-    tiers, pool, stats = engine.tiers, engine.pool, engine.scheduler.stats
-    tiers.hits, tiers.misses, tiers.demotions, pool.prefix_hits, pool.prefix_misses, pool.evictions, old = saved
-    for f in dataclasses.fields(old):
-        if f.name not in ("threads", "thread_changes"):
-            setattr(stats, f.name, getattr(old, f.name))
+    """On the loop: put back the counters :func:`_counters` copied, each by its owner."""
+    tiers, pool, scheduler = saved
+    engine.tiers.restore_counters(tiers)
+    engine.pool.restore_counters(pool)
+    engine.scheduler.restore_counters(scheduler)

@@ -155,6 +155,17 @@ class TierManager:
         self._scheme_ok: dict[str, bool] = {}
         self._sessions: dict[str, TieredKV] = {}
 
+    def counters(self) -> tuple[dict[str, int], int, dict[str, int]]:
+        """A copy of the counters a turn moves (hits per tier, misses, demotions
+        per tier), for :meth:`restore_counters`. On the loop."""
+        return dict(self.hits), self.misses, dict(self.demotions)
+
+    def restore_counters(self, saved: tuple[dict[str, int], int, dict[str, int]]) -> None:
+        """Put back counters :meth:`counters` copied (after work that is not to
+        count, such as the warm-up's rehearsal). On the loop."""
+        hits, self.misses, demotions = saved
+        self.hits, self.demotions = dict(hits), dict(demotions)
+
     def configure(self, config: TierConfig) -> None:
         """Put ``config`` in force (the fidelity gate is checked again)."""
         self.config = config

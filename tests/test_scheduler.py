@@ -350,3 +350,19 @@ def test_a_lone_idle_loop_that_cannot_let_its_openmp_pool_go_ends_as_before(monk
         assert not loop.is_alive()
     finally:
         engine.close()
+
+
+def test_counters_put_back_leave_the_thread_gauge_to_the_governor() -> None:
+    engine = make_engine(warmup=False)
+    try:
+        saved = engine.call(engine.scheduler.counters)
+        with Chat("counted", engine=engine, persist=False, max_new_tokens=3) as chat:
+            chat.send("hello")
+        stats = engine.scheduler.stats
+        assert stats.finished == 1 and stats.steps > 0
+        stats.threads, stats.thread_changes = 1, 1  # as the governor sets them for another process's load
+        engine.call(lambda: engine.scheduler.restore_counters(saved))
+        assert (stats.finished, stats.submitted, stats.steps) == (0, 0, 0)
+        assert (stats.threads, stats.thread_changes) == (1, 1)  # they follow the machine, not the work
+    finally:
+        engine.close()
