@@ -150,17 +150,32 @@ static inline float chatkv_e4m3(uint8_t c)
 
 /* rows of row elements each: out = in * (that row's scale, or 1), computed in
    float32 and rounded once to the destination type. */
+/* rows of row elements each: out = in * (that row's scale, or 1), computed in
+   float32 and rounded once to the destination type. Rows of 64 and 128 (the
+   usual head sizes) are unrolled with their length known. */
 #define CHATKV_ROWS(name, src_t, dst_t, load, store)                                                \
-    CHATKV_CLONES void name(const src_t *in, dst_t *out, long long rows, long long row,            \
-                            const float *scale)                                                    \
+    static inline __attribute__((always_inline)) void name##_n(const src_t *__restrict in,         \
+            dst_t *__restrict out, long long rows, long long row, const float *__restrict scale)    \
     {                                                                                               \
         for (long long r = 0; r < rows; r++) {                                                      \
             const float s = scale ? scale[r] : 1.0f;                                                \
-            const src_t *a = in + r * row;                                                          \
-            dst_t *o = out + r * row;                                                               \
+            const src_t *__restrict a = in + r * row;                                               \
+            dst_t *__restrict o = out + r * row;                                                    \
             for (long long i = 0; i < row; i++)                                                     \
                 o[i] = store(load(a[i]) * s);                                                       \
         }                                                                                           \
+    }                                                                                               \
+    CHATKV_CLONES void name(const src_t *__restrict in, dst_t *__restrict out, long long rows,     \
+                            long long row, const float *__restrict scale)                          \
+    {                                                                                               \
+        if (!scale)                                                                                 \
+            name##_n(in, out, 1, rows * row, scale);                                                \
+        else if (row == 64)                                                                         \
+            name##_n(in, out, rows, 64, scale);                                                     \
+        else if (row == 128)                                                                        \
+            name##_n(in, out, rows, 128, scale);                                                    \
+        else                                                                                        \
+            name##_n(in, out, rows, row, scale);                                                    \
     }
 
 CHATKV_ROWS(chatkv_rows_i8_f32, int8_t, float, LOAD_INT8, STORE_F32)
@@ -179,13 +194,18 @@ CHATKV_ROWS(chatkv_rows_f32_bf16, float, uint16_t, LOAD_F32, STORE_BF16)
    rounded to the destination type (sf, zf: that row's scales and offsets,
    one per element). */
 #define CHATKV_NIBBLES(name, dst_t, store)                                                          \
-    CHATKV_CLONES void name(const uint8_t *a, dst_t *o, long long half, const float *sf,            \
-                            const float *zf)                                                        \
+    CHATKV_CLONES void name(const uint8_t *__restrict a, dst_t *__restrict o, long long half,       \
+                            const float *__restrict sf, const float *__restrict zf)                 \
     {                                                                                               \
-        for (long long j = 0; j < half; j++) {                                                      \
-            const float lo = (float)(a[j] & 15u), hi = (float)(a[j] >> 4);                         \
-            o[2 * j] = store(lo * sf[2 * j] + zf[2 * j]);                                           \
-            o[2 * j + 1] = store(hi * sf[2 * j + 1] + zf[2 * j + 1]);                               \
+        float c[512];                                                                               \
+        for (long long at = 0; at < half; at += 256) {                                              \
+            const long long n = half - at < 256 ? half - at : 256;                                  \
+            for (long long j = 0; j < n; j++) {                                                     \
+                c[2 * j] = (float)(a[at + j] & 15u);                                                \
+                c[2 * j + 1] = (float)(a[at + j] >> 4);                                             \
+            }                                                                                       \
+            for (long long i = 0; i < 2 * n; i++)                                                   \
+                o[2 * at + i] = store(c[i] * sf[2 * at + i] + zf[2 * at + i]);                      \
         }                                                                                           \
     }
 
@@ -223,6 +243,32 @@ static void chatkv_convert(long long conv, const void *in, void *out, long long 
     }
 }
 
+/* int4 codes with one (scale, offset) per group of each row's elements: rows
+   rows of row elements, half bytes each; code is expanded into c (row floats)
+   first, then each group's elements are code * s + z with that group's s and
+   z, each step rounded in float32, then rounded to the destination type. */
+#define CHATKV_GROUPS(name, dst_t, store)                                                           \
+    CHATKV_CLONES void name(const uint8_t *__restrict a, dst_t *__restrict o, long long rows,       \
+                            long long row, long long group, const uint16_t *__restrict scale,       \
+                            const uint16_t *__restrict zero, float *__restrict c)                   \
+    {                                                                                               \
+        const long long groups = row / group;                                                       \
+        for (long long r = 0; r < rows; r++, a += row / 2, o += row) {                              \
+            for (long long j = 0; j < row / 2; j++) {                                               \
+                c[2 * j] = (float)(a[j] & 15u);                                                     \
+                c[2 * j + 1] = (float)(a[j] >> 4);                                                  \
+            }                                                                                       \
+            for (long long g = 0; g < groups; g++) {                                                \
+                const float s = chatkv_f16(scale[r * groups + g]), z = chatkv_f16(zero[r * groups + g]); \
+                for (long long j = g * group; j < (g + 1) * group; j++)                             \
+                    o[j] = store(c[j] * s + z);                                                     \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+CHATKV_GROUPS(chatkv_groups_f32, float, STORE_F32)
+CHATKV_GROUPS(chatkv_groups_bf16, uint16_t, STORE_BF16)
+
 /* rows int4 rows of piece q, done rows into it, from in to out; sf and zf
    hold q->row floats each (the scales and offsets of the row before). */
 static void chatkv_convert_int4(const struct chatkv_piece *q, long long done, const uint8_t *in, char *out,
@@ -230,17 +276,16 @@ static void chatkv_convert_int4(const struct chatkv_piece *q, long long done, co
 {
     const uint16_t *scale = (const uint16_t *)(size_t)q->scale, *zero = (const uint16_t *)(size_t)q->zero;
     const long long row = q->row, dst = q->conv % 16;
+    if (q->group > 0) {  /* one (scale, offset) per group of each row */
+        const long long groups = row / q->group;
+        if (dst == DST_F32)
+            chatkv_groups_f32(in, (float *)out, rows, row, q->group, scale + done * groups, zero + done * groups, sf);
+        else
+            chatkv_groups_bf16(in, (uint16_t *)out, rows, row, q->group, scale + done * groups, zero + done * groups, sf);
+        return;
+    }
     for (long long r = done; r < done + rows; r++) {
-        if (q->group > 0) {  /* one (scale, offset) per group of each row */
-            const long long groups = row / q->group;
-            for (long long g = 0; g < groups; g++) {
-                const float s = chatkv_f16(scale[r * groups + g]), z = chatkv_f16(zero[r * groups + g]);
-                for (long long j = g * q->group; j < (g + 1) * q->group; j++) {
-                    sf[j] = s;
-                    zf[j] = z;
-                }
-            }
-        } else if (r == done || (q->phase + r) % q->block == 0) {  /* one per element, per block of rows */
+        if (r == done || (q->phase + r) % q->block == 0) {  /* one per element, per block of rows */
             const long long b = (q->phase + r) / q->block;
             for (long long j = 0; j < row; j++) {
                 sf[j] = chatkv_f16(scale[b * row + j]);

@@ -70,9 +70,10 @@ def test_the_environment_switch_and_a_failing_compiler_keep_reads_in_python(monk
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp16", "bf16", "none"])
 @pytest.mark.parametrize("target", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slice_bytes", [100, 4096, 1 << 20])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two rows the C code unrolls, and any other
 def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativeread.NativeReads, tmp_path: Path,
                                                                   scheme: str, target: str,
-                                                                  slice_bytes: int) -> None:
+                                                                  slice_bytes: int, head_dim: int) -> None:
     """Codes read from a file and converted as they land (split over two
     destination pieces, the second at an odd row) hold exactly what
     chatkv.quant's dequantization writes into a tensor of the target dtype,
@@ -82,7 +83,7 @@ def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativer
     from chatkv.quant import dequantize_rows_into, quantize
 
     torch.manual_seed(0)
-    x = torch.randn(3, 16, 2, 64) * torch.logspace(-3, 2, 64)  # rows of very different magnitudes
+    x = torch.randn(3, 16, 2, head_dim) * torch.logspace(-3, 2, head_dim)  # rows of very different magnitudes
     q = quantize(x, "k", scheme) if scheme != "none" else None
     codes = x.to(torch.float32) if q is None else q.data
     out_dtype = getattr(torch, target)
@@ -95,12 +96,12 @@ def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativer
     path = tmp_path / "codes"
     path.write_bytes(b"pad!" + raw)
     got = torch.full(x.shape, 7.0, dtype=out_dtype)
-    rows = got.view(-1, 64)
+    rows = got.view(-1, head_dim)
     cut = 37
     source = str(codes.dtype).removeprefix("torch.")
     scale = None if q is None or q.scale is None else q.scale.contiguous().view(-1)
-    convert = nativeread.Convert(source, target, 64, None if scale is None else scale.numpy())
-    pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * 64 * codes.element_size(), convert, lo)
+    convert = nativeread.Convert(source, target, head_dim, None if scale is None else scale.numpy())
+    pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * head_dim * codes.element_size(), convert, lo)
               for lo, hi in ((0, cut), (cut, rows.shape[0]))]
     with open(path, "rb") as f:
         digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
