@@ -191,7 +191,7 @@ class BlockPool:
         device = torch.device(device)
         alloc = torch.zeros if device.type != "cpu" else torch.empty  # CPU: commit pages lazily
         self.kv = alloc((num_layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)
-        self._bytes: memoryview | None = None  # the host pool's bytes, made by slot_buffers
+        self._bytes: memoryview | None = None  # the host pool's bytes, made by slot_planes
         assert self.kv.shape == (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
@@ -564,7 +564,7 @@ class BlockPool:
         """Append ``token_ids`` to a fully computed ``seq`` as not yet computed
         and take slots for them (all-or-nothing, like :meth:`prepare_write`), for
         KV that arrives from elsewhere: the caller fills the slots (:meth:`fill`,
-        or the buffers of :meth:`slot_buffers`), then commits what it filled
+        or the bytes :meth:`slot_planes` says), then commits what it filled
         (:meth:`commit`) and truncates the rest away (:meth:`truncate`). Until
         then the blocks are ``seq``'s alone (unhashed, so never shared or read
         by another sequence).
@@ -603,24 +603,26 @@ class BlockPool:
         flat = self.kv.view(L, two, nb * bs, h, d)
         return [(at, flat[:, :, slot : slot + length]) for at, slot, length in slot_runs(slots)]
 
-    def slot_buffers(self, slots: Seq[int]) -> list[list[memoryview]] | None:
-        """Writable byte views of reserved ``slots`` (see :meth:`reserve`), for
-        a reader that fills them straight from a file: for each layer and each
-        of K and V in turn, the views of the slots' rows in order (one per run of
-        consecutive slots), so that their concatenation, layer by layer,
-        receives a ``[num_layers, 2, len(slots), kv_heads, head_dim]`` tensor's
-        bytes in C order. None where the pool is not in host memory."""
+    def slot_planes(self, slots: Seq[int]) -> "tuple[memoryview, list[int], list[tuple[int, int]]] | None":
+        """Where reserved ``slots`` (see :meth:`reserve`) lie in the pool's
+        bytes, for a reader that fills them straight from a file: ``(the
+        pool's bytes as one writable view, the offset in it of each layer's K
+        plane and V plane in turn, the byte range (start, end) within a plane
+        of each run of consecutive slots, in order)``. The runs of each plane
+        in turn, layer by layer, receive a ``[num_layers, 2, len(slots),
+        kv_heads, head_dim]`` tensor's bytes in C order. None where the pool
+        is not in host memory."""
         self._check()
         if self.kv.device.type != "cpu":
             return None
         L, two, nb, bs, h, d = self.kv.shape
-        if self._bytes is None:  # the whole pool as bytes, sliced below (far cheaper than a tensor view each)
+        if self._bytes is None:  # the whole pool as bytes, made once
             assert self.kv.is_contiguous()
             self._bytes = self.kv.view(-1).view(torch.uint8).numpy().data.cast("B")
         row = h * d * self.kv.element_size()
         plane = nb * bs * row  # one layer's K (or V)
         runs = [(slot * row, (slot + length) * row) for _, slot, length in slot_runs(slots)]
-        return [[self._bytes[base + a: base + b] for a, b in runs] for base in range(0, L * two * plane, plane)]
+        return self._bytes, list(range(0, L * two * plane, plane)), runs
 
     def read_tokens(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
 from chatkv.kvcodec import pack, packed_format, packed_layout, parse_packed, unpack, unpack_into
@@ -47,6 +49,7 @@ from chatkv.storage import (
     NewChunk,
     SaveResult,
     SessionInfo,
+    Spans,
     Store,
     StoredKV,
     default_db_url,
@@ -469,7 +472,11 @@ class KVPersister:
             if off > start and pool.blocks_needed(seq, off - start) <= pool.num_available:
                 end = off
         slots = pool.reserve(seq, cached_ids[start:end]) if end > start else []
-        return _RestorePlan(start, end, slots, pool.slot_buffers(slots))
+        planes = pool.slot_planes(slots)
+        if planes is not None:
+            memory, starts, runs = planes
+            planes = _Planes(memory, np.asarray(starts, dtype=np.int64), runs)
+        return _RestorePlan(start, end, slots, planes)
 
     def _finish(self, kv: "TieredKV", plan: "_RestorePlan", exact_until: int, good: int) -> None:
         """On the loop: commit the reserved tokens that were filled and verified
@@ -618,7 +625,7 @@ class KVPersister:
                 skip = max(0, plan.start - off)
                 lo, hi = off + skip - plan.start, off + n - plan.start  # the chunk's reserved slots
                 info.bytes_read += chunk.bytes
-                into = (plan.buffers, skip * row, lo * row, hi * row) if plan.buffers is not None else None
+                into = (plan.planes, skip * row, lo * row, hi * row) if plan.planes is not None else None
                 done = readers.submit(self._read_chunk, stored, index, base, (L, two, n, h, d), into)
                 submitted.append(done)
                 pending.append(_ChunkRead(done, chunk, base, n, off + n, skip, plan.slots[lo:hi]))
@@ -646,13 +653,13 @@ class KVPersister:
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
     def _read_chunk(self, stored: StoredKV, index: int, base: str, shape: tuple[int, int, int, int, int],
-                    into: "tuple[list[list[memoryview]], int, int, int] | None",
+                    into: "tuple[_Planes, int, int, int] | None",
                     ) -> "tuple[dict[str, torch.Tensor] | None, bool]":
         """In a reader thread: open chunk ``index`` of ``stored`` (its format
-        ``base``) and read it, checksum checked. With ``into`` (the restore's
-        slot buffers per layer and K/V, :attr:`_RestorePlan.buffers`; the bytes
+        ``base``) and read it, checksum checked. With ``into`` (where the
+        restore's slots lie in the pool, :attr:`_RestorePlan.planes`; the bytes
         of the chunk's tokens in the shared prefix, which go to scratch; and
-        the byte range of its reserved slots in each buffer list), straight
+        the byte range of its reserved slots in each plane's runs), straight
         into those slots where it can be: a KV tensor of the pool's dtype and
         ``shape`` as it is, a compact chunk dequantized as it is read
         (:meth:`_converted`); returns None. Otherwise into memory of its own:
@@ -665,17 +672,20 @@ class KVPersister:
         """
         source = stored.open(index)
         if into is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
-            views, shared, lo, hi = into
+            planes, shared, lo, hi = into
+            if not shared:  # every plane's stretch as Spans: a few array operations, not a step per piece
+                source.read_into({KV_TENSOR: _spans(planes, lo, hi)})
+                return None, False  # (only a chunk the loop writes needs to know)
             # A scratch piece per layer: the Python read path fills several pieces per
             # preadv before hashing them, so one piece used twice would lose bytes.
             # (_converted's codes are hashed in the native call's own buffer: one serves.)
-            scratch = memoryview(bytearray(len(views) * shared))
+            scratch = memoryview(bytearray(len(planes.starts) * shared))
             buffers: list[memoryview] = []
-            for j, layer in enumerate(views):
+            for j in range(len(planes.starts)):
                 buffers.append(scratch[j * shared: (j + 1) * shared])
-                buffers.extend(_cut(layer, lo, hi))
+                buffers.extend(_views(planes, j, lo, hi))
             source.read_into({KV_TENSOR: buffers})
-            return None, False  # (only a chunk the loop writes needs to know)
+            return None, False
         converted = self._converted(source, base, shape, into) if into is not None else None
         if converted is not None:
             source.read_into(*converted)
@@ -686,8 +696,8 @@ class KVPersister:
         return tensors, before is not None and after is not None and 2 * (after - before) > source.info.bytes
 
     def _converted(self, source: ChunkSource, base: str, shape: tuple[int, int, int, int, int],
-                   into: tuple[list[list[memoryview]], int, int, int],
-                   ) -> "tuple[dict[str, list[memoryview]], dict[str, Converted]] | None":
+                   into: "tuple[_Planes, int, int, int]",
+                   ) -> "tuple[dict[str, list[memoryview] | Spans], dict[str, Converted]] | None":
         """``(buffers, converted)`` for :meth:`ChunkSource.read_into` that read
         a compact chunk (:func:`chatkv.kvcodec.packed_layout`) straight into
         its slots (``into``, as :meth:`_read_chunk` takes it), dequantizing
@@ -710,20 +720,24 @@ class KVPersister:
         if layout is None:
             return None
         full, parts = layout
-        views, shared, lo, hi = into
+        planes, shared, lo, hi = into
         L, _, n, h, d = shape
         row = h * d * dtype.itemsize
         if shared > full * row:  # (a shared prefix ends at a block boundary, inside the quantized blocks)
             return None
         edge = lo + full * row - shared  # where the chunk's tail starts in its reserved bytes
-        scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         converted = {}
+        if not shared:  # as Spans (see _read_chunk)
+            for i, part in enumerate(parts):
+                converted[part.codes] = Converted(_spans(planes, lo, edge, first=i, every=2), dtype, part.row,
+                                                  part.scale, part.zero, part.block, part.group)
+            return {"tail": _spans(planes, edge, hi)}, converted
+        scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         for i, part in enumerate(parts):
-            buffers = [piece for layer in range(L) for piece in ([scratch] if shared else []) +
-                       _cut(views[2 * layer + i], lo, edge)]
+            buffers = [piece for layer in range(L) for piece in [scratch, *_views(planes, 2 * layer + i, lo, edge)]]
             converted[part.codes] = Converted(buffers, dtype, part.row, part.scale, part.zero, part.block,
                                               part.group)
-        tail = [piece for layer in range(L) for i in range(2) for piece in _cut(views[2 * layer + i], edge, hi)]
+        tail = [piece for layer in range(L) for i in range(2) for piece in _views(planes, 2 * layer + i, edge, hi)]
         return {"tail": tail}, converted
 
     def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
@@ -779,24 +793,56 @@ class _RestorePlan:
         end: tokens covered once the reserved slots are filled: a chunk
             boundary, the whole stored KV unless the pool is short.
         slots: the slots of tokens ``start .. end - 1``.
-        buffers: their bytes per layer and K/V (:meth:`BlockPool.slot_buffers`), on a host pool.
+        planes: where they lie in the pool's memory (:meth:`BlockPool.slot_planes`), on a host pool.
     """
 
     start: int
     end: int
     slots: list[int]
-    buffers: list[list[memoryview]] | None
+    planes: "_Planes | None"
 
 
-def _cut(views: list[memoryview], lo: int, hi: int) -> list[memoryview]:
-    """Bytes ``lo .. hi - 1`` of the concatenation of ``views``, as views."""
+@dataclass(frozen=True)
+class _Planes:
+    """Where a restore's reserved slots lie in a host pool's memory
+    (:meth:`BlockPool.slot_planes`).
+
+    Attributes:
+        memory: the pool's bytes.
+        starts: int64 array, the offset of each layer's K plane and V plane in turn.
+        runs: the byte range ``(start, end)`` within a plane of each run of
+            consecutive slots, in order; the same in every plane.
+    """
+
+    memory: memoryview
+    starts: Any
+    runs: list[tuple[int, int]]
+
+
+def _runs_cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ranges within a plane of bytes ``lo .. hi - 1`` of its ``runs`` put end to end."""
     out = []
     at = 0
-    for v in views:
-        a, b = max(lo, at), min(hi, at + v.nbytes)
-        if a < b:
-            out.append(v[a - at: b - at])
-        at += v.nbytes
+    for a, b in runs:
+        x, y = max(lo, at), min(hi, at + b - a)
+        if x < y:
+            out.append((a + x - at, a + y - at))
+        at += b - a
         if at >= hi:
             break
     return out
+
+
+def _views(planes: _Planes, plane: int, lo: int, hi: int) -> list[memoryview]:
+    """Bytes ``lo .. hi - 1`` of plane ``plane``'s runs, as views of the pool's memory."""
+    base = int(planes.starts[plane])
+    return [planes.memory[base + a: base + b] for a, b in _runs_cut(planes.runs, lo, hi)]
+
+
+def _spans(planes: _Planes, lo: int, hi: int, first: int = 0, every: int = 1) -> Spans:
+    """Bytes ``lo .. hi - 1`` of the runs of planes ``first``, ``first +
+    every``, ... in turn, as one :class:`~chatkv.storage.Spans`."""
+    cut = np.asarray(_runs_cut(planes.runs, lo, hi), dtype=np.int64).reshape(-1, 2)
+    bases = planes.starts[first::every]
+    return Spans(planes.memory, (bases[:, None] + cut[None, :, 0]).reshape(-1),
+                 np.tile(cut[:, 1] - cut[:, 0], len(bases)))

@@ -60,6 +60,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SessionKV": ("records", "SessionKV"),
     "SessionLockedError": ("errors", "SessionLockedError"),
     "SessionNotFoundError": ("errors", "SessionNotFoundError"),
+    "Spans": ("nativeread", "Spans"),
     "StorageError": ("errors", "StorageError"),
     "StorageWriteError": ("errors", "StorageWriteError"),
     "Store": ("store", "Store"),
@@ -83,7 +84,7 @@ __all__ = [
     "InvalidSessionIdError", "Lease", "LeaseLostError", "LeasedSession", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
     "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
-    "SessionNotFoundError", "StorageError", "StorageWriteError", "Store", "StoredKV", "chunk_hash", "collect_garbage",
+    "SessionNotFoundError", "Spans", "StorageError", "StorageWriteError", "Store", "StoredKV", "chunk_hash", "collect_garbage",
     "default_db_url", "default_home", "enforce_disk_policy", "export_session", "extract_archive", "import_session",
     "pack_token_ids", "unpack_token_ids", "validate_session_id",
 ]
@@ -113,6 +114,7 @@ if TYPE_CHECKING:
     from .ids import MAX_SESSION_ID_LEN, validate_session_id
     from .leases import Lease
     from .migrations import LATEST_VERSION as SCHEMA_VERSION
+    from .nativeread import Spans
     from .paths import default_db_url, default_home
     from .records import (
         ChunkInfo,

@@ -517,7 +517,7 @@ class Converted:
     not scaled), computed in float32 and rounded once (to nearest even) to
     ``dtype`` (float32 or bfloat16), fill ``buffers`` in order: writable,
     C-contiguous, together exactly the tensor's elements in ``dtype``, each
-    whole rows. What a quantized tensor dequantizes to, without its codes
+    whole rows (or one :class:`~.nativeread.Spans`, each stretch whole rows). What a quantized tensor dequantizes to, without its codes
     ever being in memory whole (see :mod:`.nativeread`).
 
     With ``zero``, the tensor is uint8, two 4-bit codes a byte (the low
@@ -592,7 +592,8 @@ class ChunkReader:
                   converted: Mapping[str, Converted] | None = None) -> dict[str, torch.Tensor]:
         """Read every tensor: each one named in ``buffers`` into those writable
         buffers (bytes-like, C-contiguous), which it fills in order and which
-        together hold exactly its bytes; each one named in ``converted`` as
+        together hold exactly its bytes (or into one :class:`~.nativeread.Spans`,
+        its stretches filled in order); each one named in ``converted`` as
         that says (only where :meth:`converts`; its scales and offsets are
         read first);
         every other one into new memory. With ``verify``, check the payload
@@ -628,10 +629,11 @@ class ChunkReader:
             if name in converted:
                 continue
             if name in buffers:
-                bufs = [memoryview(b).cast("B") for b in buffers[name]]
-                if sum(b.nbytes for b in bufs) != nbytes:
-                    raise ValueError(f"buffers for tensor {name!r} hold {sum(b.nbytes for b in bufs)} bytes, "
-                                     f"the tensor {nbytes}")
+                given = buffers[name]
+                bufs = [given] if isinstance(given, nativeread.Spans) else [memoryview(b).cast("B") for b in given]
+                if sum(nativeread.nbytes_of(b) for b in bufs) != nbytes:
+                    raise ValueError(f"buffers for tensor {name!r} hold {sum(nativeread.nbytes_of(b) for b in bufs)} "
+                                     f"bytes, the tensor {nbytes}")
             else:
                 dtype, shape = self.shapes[name]
                 fresh[name] = torch.empty(shape, dtype=dtype)
@@ -649,7 +651,7 @@ class ChunkReader:
             return fresh
         if not verify:
             for name, bufs in views.items():
-                _preadv_all(self._fd, bufs, self._spans[name][0], self.hash)
+                _preadv_all(self._fd, _plain(bufs), self._spans[name][0], self.hash)
             return fresh
         # In the checksum's order (names sorted, the token ids among them), each
         # tensor read a slice at a time and hashed while the slice is still in
@@ -667,7 +669,7 @@ class ChunkReader:
                 for b in bufs:
                     h.update(b)
             else:
-                _read_hashed(self._fd, bufs, offset, self.hash, h)
+                _read_hashed(self._fd, _plain(bufs), offset, self.hash, h)
         _check_checksum(self.metadata, h, self.hash)
         return fresh
 
@@ -692,9 +694,11 @@ class ChunkReader:
             raise ValueError(f"no conversion of tensor {name!r} from {source} to {target}")
         count = math.prod(shape) * (2 if nibbles else 1)
         row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
-        bufs = [memoryview(b).cast("B") for b in converted.buffers]
-        if row < 1 or count % row or any(b.nbytes % (row * target_size) for b in bufs) \
-                or sum(b.nbytes for b in bufs) != count * target_size:
+        spans = isinstance(converted.buffers, nativeread.Spans)
+        bufs = [converted.buffers] if spans else [memoryview(b).cast("B") for b in converted.buffers]
+        whole = (row >= 1 and not (converted.buffers.sizes % (row * target_size)).any() if spans
+                 else all(row >= 1 and b.nbytes % (row * target_size) == 0 for b in bufs))
+        if row < 1 or count % row or not whole or sum(nativeread.nbytes_of(b) for b in bufs) != count * target_size:
             raise ValueError(f"buffers for tensor {name!r} do not hold its {count} elements as whole rows of "
                              f"{row} {target}")
         rows = count // row
@@ -766,9 +770,9 @@ class ChunkReader:
                     pieces.append((b, -1))
                 elif convert is None:
                     pieces.append((b, offset))
-                    offset += memoryview(b).nbytes
+                    offset += nativeread.nbytes_of(b)
                 else:  # the buffer's rows are the tensor's rows from ``first``
-                    rows = memoryview(b).nbytes // (nativeread.TARGET_TYPES[convert.target][1] * convert.row)
+                    rows = nativeread.nbytes_of(b) // (nativeread.TARGET_TYPES[convert.target][1] * convert.row)
                     pieces.append((b, offset, convert, first))
                     first += rows
                     offset += rows * convert.row * nativeread.SOURCE_TYPES[convert.source][1] // 8
@@ -833,6 +837,11 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MA
 #: as it reads: few enough that xxh3 finds them in the core's L2 cache (about
 #: 80 GB/s a thread there, 26 from memory, on this project's VM).
 HASHED_READ_BYTES = 256 << 10
+
+
+def _plain(bufs: Sequence[Any]) -> list[Any]:
+    """``bufs`` with any :class:`~.nativeread.Spans` among them as a view per stretch."""
+    return [v for b in bufs for v in (b.views() if isinstance(b, nativeread.Spans) else (b,))]
 
 
 def _read_hashed(fd: int, bufs: list[memoryview], offset: int, chunk: ChunkHash, h: Any) -> None:

@@ -435,6 +435,64 @@ class Convert:
     group: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class Spans:
+    """One destination of a read made of many stretches of a single buffer:
+    the bytes it receives fill, in order, ``sizes[i]`` bytes at byte offset
+    ``offsets[i]`` of ``memory`` (a writable, C-contiguous buffer). What a
+    reader into many runs of one large buffer (the layers of a block pool's
+    slots) passes instead of a view per run: :meth:`NativeReads.read_hashed`
+    then builds its pieces with a few array operations, where a view per run
+    cost a Python step each (a restored chunk has 60 or more).
+
+    Attributes:
+        memory: the buffer (kept alive by this object).
+        offsets: int64 numpy array, each stretch's first byte in ``memory``.
+        sizes: int64 numpy array of the same length, each stretch's bytes.
+    """
+
+    memory: Any
+    offsets: Any
+    sizes: Any
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes all the stretches hold together."""
+        return int(self.sizes.sum())
+
+    def check(self) -> memoryview:
+        """``memory`` as a byte view, after checking that it is writable and
+        C-contiguous and that every stretch lies inside it.
+
+        Raises:
+            TypeError: ``memory`` is read-only.
+            ValueError: it is not C-contiguous, the arrays differ in length,
+                or a stretch is negative or outside it.
+        """
+        view = memoryview(self.memory)
+        if view.readonly:
+            raise TypeError("a piece to be read into is read-only")
+        if not view.c_contiguous:
+            raise ValueError("a piece is not C-contiguous")
+        if self.offsets.shape != self.sizes.shape or self.offsets.ndim != 1:
+            raise ValueError("spans need as many offsets as sizes")
+        if len(self.sizes) and (int(self.sizes.min()) < 0 or int(self.offsets.min()) < 0
+                                or int((self.offsets + self.sizes).max()) > view.nbytes):
+            raise ValueError(f"a span lies outside its {view.nbytes}-byte buffer")
+        return view.cast("B")
+
+    def views(self) -> list[memoryview]:
+        """The stretches as views of ``memory``, in order (for reads that take
+        buffers one by one), after :meth:`check`."""
+        view = self.check()
+        return [view[o: o + n] for o, n in zip(self.offsets.tolist(), self.sizes.tolist())]
+
+
+def nbytes_of(buf: Any) -> int:
+    """The bytes a destination holds: a buffer's, or :attr:`Spans.nbytes`."""
+    return buf.nbytes if isinstance(buf, Spans) else memoryview(buf).nbytes
+
+
 #: long longs in the C source's ``struct chatkv_piece``: addr, len, off,
 #: conv, row, scale, zero, block, phase, group.
 _PIECE_FIELDS = 10
@@ -487,6 +545,8 @@ class NativeReads:
         fill ``buffer`` once converted, rows ``first`` on of the tensor
         ``convert`` describes: each slice of whole rows is read into memory
         of the call's own, hashed there, and converted into ``buffer``.
+        In either form the buffer may be :class:`Spans` (filled stretch by
+        stretch, the same as a piece per stretch; never only hashed).
         Returns xxh3-128's hex digest of all the bytes read or hashed, in
         order, as ``xxhash.xxh3_128().hexdigest()`` gives.
 
@@ -494,33 +554,58 @@ class NativeReads:
             EOFError: the file ends before the pieces do (what landed is unverified).
             OSError: a read failed.
             TypeError: a piece to be filled is read-only (nothing was read).
-            ValueError: a piece is not C-contiguous, or a conversion does not fit
-                its piece (unknown types, not whole rows, too few scales or
-                offsets); nothing was read.
+            ValueError: a piece is not C-contiguous, a span lies outside its
+                buffer, or a conversion does not fit its piece (unknown types,
+                not whole rows, too few scales or offsets); nothing was read.
         """
         fields: list[int] = []  # the struct chatkv_piece array, field by field
+        blocks: list[Any] = []  # ... or, where Spans came, int64 arrays of whole pieces, in order
         pinned: list[Any] = []  # the buffers' exports, alive until the call returns
         conversions: dict[int, _Conversion] = {}
+
+        def conversion_of(convert: Convert) -> _Conversion:
+            conversion = conversions.get(id(convert))
+            if conversion is None:
+                conversion = conversions[id(convert)] = _Conversion(convert, self._address, pinned)
+            return conversion
+
         for buf, offset, *more in pieces:
+            if isinstance(buf, Spans):
+                if offset < 0:
+                    raise ValueError("spans are read into, not only hashed")
+                if fields:
+                    blocks.append(fields)
+                    fields = []
+                address = self._address(buf.check(), pinned, filled=True)[0]
+                blocks.append(_span_pieces(buf, address, offset, conversion_of(more[0]) if more else None,
+                                           more[1] if more else 0))
+                continue
             address, size = self._address(buf, pinned, filled=offset >= 0)
             if not size:
                 continue
             if more and offset >= 0:
                 convert, first = more
-                conversion = conversions.get(id(convert))
-                if conversion is None:
-                    conversion = conversions[id(convert)] = _Conversion(convert, self._address, pinned)
-                fields += conversion.piece(address, size, offset, first)
+                fields += conversion_of(convert).piece(address, size, offset, first)
             else:
                 fields += (address, size, offset, 0, 0, 0, 0, 0, 0, 0)
-        count = len(fields) // _PIECE_FIELDS
-        packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
+        if blocks:
+            import numpy as np
+
+            if fields:
+                blocks.append(fields)
+            packed = np.concatenate([np.asarray(b, dtype=np.int64).reshape(-1) for b in blocks])
+            count = len(packed) // _PIECE_FIELDS
+            address = packed.ctypes.data
+        else:
+            count = len(fields) // _PIECE_FIELDS
+            packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
+            address = packed.buffer_info()[0]
         state = self._create()
         if not state:
             raise MemoryError("XXH3_createState failed")
         try:
             self._reset(state)
-            got = self._read(fd, count, packed.buffer_info()[0], slice_bytes, state, self._update)
+            got = self._read(fd, count, address, slice_bytes, state, self._update)
             if got == _SHORT_READ:
                 raise EOFError("the file ends before the pieces do")
             if got < 0:
@@ -618,6 +703,51 @@ class _Conversion:
             at[name] = base + start if base else 0
         return (address, rows * row * self.source_bits // 8, offset, self.code, row, at["scale"], at["zero"],
                 block, phase, group)
+
+
+def _span_pieces(spans: Spans, address: int, offset: int, conversion: _Conversion | None, first: int) -> Any:
+    """The ``struct chatkv_piece`` fields (an int64 array, a row per stretch)
+    that fill ``spans`` (its buffer at ``address``) from the file at
+    ``offset``: as they are or, with ``conversion``, converted, rows
+    ``first`` on of its tensor (as :meth:`_Conversion.piece` gives them one
+    by one). Empty stretches are left out.
+
+    Raises:
+        ValueError: a stretch of partial rows, or too few scales or offsets.
+    """
+    import numpy as np
+
+    sizes = spans.sizes.astype(np.int64, copy=False)
+    out = np.zeros((len(sizes), _PIECE_FIELDS), dtype=np.int64)
+    out[:, 0] = address + spans.offsets
+    if conversion is None:
+        out[:, 1] = sizes
+    else:
+        c = conversion.convert
+        row = c.row
+        if first < 0 or (sizes % (row * conversion.target_size)).any():
+            raise ValueError(f"a span is not whole rows of {row} {c.target}")
+        rows = sizes // (row * conversion.target_size)
+        firsts = first + np.cumsum(rows) - rows
+        out[:, 1] = rows * row * conversion.source_bits // 8
+        out[:, 3], out[:, 4] = conversion.code, row
+        if c.block:
+            start, end = 2 * (firsts // c.block) * row, 2 * ((firsts + rows - 1) // c.block + 1) * row
+            out[:, 7], out[:, 8] = c.block, firsts % c.block
+        elif c.group:
+            start, end = 2 * firsts * (row // c.group), 2 * (firsts + rows) * (row // c.group)
+            out[:, 9] = c.group
+        else:
+            start, end = 4 * firsts, 4 * (firsts + rows)
+        for column, name in ((5, "scale"), (6, "zero")):
+            base, nbytes = getattr(conversion, name)
+            if base:
+                if len(rows) and int(end.max()) > nbytes:
+                    raise ValueError(f"{nbytes} bytes of {name}s where rows {first} to {first + int(rows.sum())} "
+                                     f"need {int(end.max())}")
+                out[:, column] = base + start
+    out[:, 2] = offset + np.cumsum(out[:, 1]) - out[:, 1]
+    return out[sizes > 0]
 
 
 _lock = threading.Lock()

@@ -211,16 +211,18 @@ def test_reserved_slots_are_filled_then_committed_or_given_back():
     assert seq.num_computed == 5 and seq.token_ids[-1] == 11 and len(slots) == 6
     kv = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1, 1).expand(2, 2, 6, 2, 4).contiguous()
     pool.fill(slots[:3], kv[:, :, :3])
-    # the same bytes through the byte views a file reader fills
-    views = pool.slot_buffers(slots[3:])
-    assert views is not None and len(views) == 2 * 2
-    for pieces, row in zip(views, kv[:, :, 3:].reshape(4, -1)):
+    # the same bytes through the pool's bytes where a file reader puts them
+    planes = pool.slot_planes(slots[3:])
+    assert planes is not None
+    memory, starts, runs = planes
+    assert len(starts) == 2 * 2
+    for start, row in zip(starts, kv[:, :, 3:].reshape(4, -1)):
         data = row.numpy().tobytes()
-        assert sum(v.nbytes for v in pieces) == len(data)
+        assert sum(b - a for a, b in runs) == len(data)
         at = 0
-        for v in pieces:  # several when the slots are not consecutive
-            v[:] = data[at: at + v.nbytes]
-            at += v.nbytes
+        for a, b in runs:  # several when the slots are not consecutive
+            memory[start + a: start + b] = data[at: at + b - a]
+            at += b - a
     pool.commit(seq, 4)  # tokens 6..9 verified; 10 and 11 were not
     pool.truncate(seq, seq.num_computed)
     assert seq.num_computed == 9 and seq.token_ids == list(range(1, 10))

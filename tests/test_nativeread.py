@@ -8,9 +8,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
 from chatkv.storage import nativeread
+
+
+def _as_spans(rows, pieces: list[tuple], row_bytes: int) -> list[tuple]:
+    """``pieces`` of whole ``rows`` (a view of one tensor's rows) as Spans
+    over that tensor's bytes, each piece's rows in two stretches."""
+    import numpy as np
+
+    memory = rows.view(-1).view(torch.uint8).numpy()
+    base = memory.ctypes.data
+    out = []
+    for view, offset, convert, first in pieces:
+        n = view.nbytes // row_bytes
+        start = view.ctypes.data - base
+        cut = (n // 2) * row_bytes
+        out.append((nativeread.Spans(memory, np.array([start, start + cut], dtype=np.int64),
+                                     np.array([cut, n * row_bytes - cut], dtype=np.int64)), offset, convert, first))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +89,15 @@ def test_the_environment_switch_and_a_failing_compiler_keep_reads_in_python(monk
 @pytest.mark.parametrize("target", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slice_bytes", [100, 4096, 1 << 20])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two rows the C code unrolls, and any other
+@pytest.mark.parametrize("spans", [False, True])
 def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativeread.NativeReads, tmp_path: Path,
-                                                                  scheme: str, target: str,
-                                                                  slice_bytes: int, head_dim: int) -> None:
+                                                                  scheme: str, target: str, slice_bytes: int,
+                                                                  head_dim: int, spans: bool) -> None:
     """Codes read from a file and converted as they land (split over two
-    destination pieces, the second at an odd row) hold exactly what
-    chatkv.quant's dequantization writes into a tensor of the target dtype,
-    and the digest is that of the codes' bytes."""
+    destination pieces, the second at an odd row; or as two Spans of two
+    stretches each) hold exactly what chatkv.quant's dequantization writes
+    into a tensor of the target dtype, and the digest is that of the codes'
+    bytes."""
     import torch
 
     from chatkv.quant import dequantize_rows_into, quantize
@@ -103,6 +123,8 @@ def test_converted_pieces_match_torchs_dequantization_bit_for_bit(reads: nativer
     convert = nativeread.Convert(source, target, head_dim, None if scale is None else scale.numpy())
     pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 4 + lo * head_dim * codes.element_size(), convert, lo)
               for lo, hi in ((0, cut), (cut, rows.shape[0]))]
+    if spans:
+        pieces = _as_spans(rows, pieces, head_dim * got.element_size())
     with open(path, "rb") as f:
         digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -135,12 +157,14 @@ def test_a_conversion_that_does_not_fit_its_piece_is_refused_before_reading(read
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("target", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slice_bytes", [50, 4096, 1 << 20])
+@pytest.mark.parametrize("spans", [False, True])
 def test_int4_codes_convert_as_chatkv_quant_dequantizes_them(reads: nativeread.NativeReads, tmp_path: Path,
-                                                             kind: str, target: str, slice_bytes: int) -> None:
+                                                             kind: str, target: str, slice_bytes: int,
+                                                             spans: bool) -> None:
     """int4 keys (a scale and offset per channel over a block of tokens) and
     values (per group of channels of each token), read and converted in two
-    pieces cut mid-block: bit for bit chatkv.quant's float32 dequantization,
-    rounded once to the target."""
+    pieces cut mid-block (or as two Spans of two stretches each): bit for
+    bit chatkv.quant's float32 dequantization, rounded once to the target."""
     import torch
 
     from chatkv.quant import dequantize_int4_blocks_into, quantize
@@ -162,13 +186,18 @@ def test_int4_codes_convert_as_chatkv_quant_dequantizes_them(reads: nativeread.N
     convert = nativeread.Convert("uint4x2", target, row, scale, zero, **layout)
     pieces = [(rows[lo:hi].view(torch.uint8).numpy(), 3 + lo * row // 2, convert, lo)
               for lo, hi in ((0, cut), (cut, n * bs))]
+    if spans:
+        pieces = _as_spans(rows, pieces, row * got.element_size())
     with open(path, "rb") as f:
         digest = reads.read_hashed(f.fileno(), pieces, slice_bytes)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert digest == xxhash.xxh3_128(raw).hexdigest()
     short = nativeread.Convert("uint4x2", target, row, scale[: len(scale) // 3], zero, **layout)
+    pieces = [(rows[: bs + 1].view(torch.uint8).numpy(), 3, short, 0)]
+    if spans:
+        pieces = _as_spans(rows, pieces, row * got.element_size())
     with open(path, "rb") as f, pytest.raises(ValueError, match="bytes of scales where"):
-        reads.read_hashed(f.fileno(), [(rows[: bs + 1].view(torch.uint8).numpy(), 3, short, 0)], slice_bytes)
+        reads.read_hashed(f.fileno(), pieces, slice_bytes)
 
 
 def test_a_new_build_falls_back_without_per_cpu_code_and_removes_stale_libraries(tmp_path: Path,

@@ -284,6 +284,68 @@ def test_open_kv_reads_each_chunk_straight_into_the_callers_buffers(store: Store
     assert chunk_reads.native_calls == (3 if chunk_reads.path == "native" else 0)
 
 
+def test_read_into_spans_lands_each_stretch_where_it_says(store: Store, chunk_reads) -> None:
+    """A tensor read into Spans (stretches of one buffer, out of order, empty
+    ones among them) lands as it would in a view per stretch, in Python and
+    through the native call; spans outside their buffer or over read-only
+    memory are refused before anything is read."""
+    import numpy as np
+
+    from chatkv.storage import Spans
+
+    kv = torch.randn(6, 10)
+    store.open_session("s")
+    store.save_kv("s", token_ids=list(range(20)), fingerprint=FP, chunks=[NewChunk(20, {"kv": kv}, META)])
+    memory = bytearray(1000)
+    offsets, sizes = np.array([800, 0, 40, 500, 960], dtype=np.int64), np.array([80, 40, 0, 80, 40], dtype=np.int64)
+    (source,) = list(store.open_kv("s"))
+    assert source.read_into({"kv": Spans(memory, offsets, sizes)}) == {}
+    data = kv.numpy().tobytes()
+    landed = b"".join(bytes(memory[o: o + n]) for o, n in zip(offsets, sizes))
+    assert landed == data and memory[120:500] == bytearray(380)  # nothing outside the stretches
+    for bad, error in ((Spans(memory, offsets + 100, sizes), ValueError),  # the last stretch past the end
+                       (Spans(memory, offsets - 41, sizes), ValueError),  # one before the start
+                       (Spans(bytes(1000), offsets, sizes), TypeError)):
+        before = bytes(memory)
+        (source,) = list(store.open_kv("s"))
+        with pytest.raises(error):
+            source.read_into({"kv": bad})
+        assert bytes(memory) == before
+    assert chunk_reads.native_calls == (4 if chunk_reads.path == "native" else 0)  # (the refusals among them)
+
+
+def test_converted_spans_convert_as_buffers_do(store: Store, chunk_reads) -> None:
+    """int8 codes converted into Spans (whole rows per stretch, out of order)
+    hold what they hold converted into a view per stretch; a stretch of
+    partial rows is refused."""
+    import numpy as np
+
+    from chatkv.storage import Converted, Spans
+
+    if chunk_reads.path == "python":
+        pytest.skip("conversions need the native reads")
+    codes = torch.randint(-127, 128, (6, 8), dtype=torch.int8)
+    scale = torch.rand(6) / 100
+    store.open_session("s")
+    store.save_kv("s", token_ids=list(range(20)), fingerprint=FP,
+                  chunks=[NewChunk(20, {"codes": codes, "scale": scale}, META)])
+    row = 8 * 2  # bfloat16 bytes a row
+    memory = bytearray(12 * row)
+    offsets = np.array([9 * row, 0, 4 * row], dtype=np.int64)
+    sizes = np.array([2 * row, 3 * row, row], dtype=np.int64)
+    (source,) = list(store.open_kv("s"))
+    fresh = source.read_into({}, converted={"codes": Converted(Spans(memory, offsets, sizes), torch.bfloat16, 8,
+                                                              "scale")})
+    assert set(fresh) == {"scale"}
+    want = (codes.float() * scale[:, None]).to(torch.bfloat16)
+    got = torch.frombuffer(memory, dtype=torch.bfloat16).view(12, 8)
+    assert torch.equal(torch.cat([got[9:11], got[0:3], got[4:5]]), want)
+    (source,) = list(store.open_kv("s"))
+    partial = Spans(memory, np.array([0, 100], dtype=np.int64), np.array([row + 2, 5 * row - 2], dtype=np.int64))
+    with pytest.raises(ValueError, match="whole rows"):
+        source.read_into({}, converted={"codes": Converted(partial, torch.bfloat16, 8, "scale")})
+
+
 def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store, chunk_reads) -> None:
     ids = list(range(20))
     extra = {"kv": torch.randn(2, 3), "scale": torch.rand(5)}
