@@ -388,7 +388,7 @@ def _entries(header: Mapping[str, Any], base: int, size: int
         count = 1
         for dim in dims:
             count *= dim
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if min(dims, default=0) < 0 or not 0 <= begin <= end or base + end > size or end - begin != count * itemsize:
             raise ValueError(f"tensor {name!r} has offsets {offsets} outside or inconsistent with the file")
         out[name] = (dtype, dims, begin, end)
