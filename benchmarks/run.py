@@ -66,9 +66,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default 1; smoke 0; 0: back to back)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--systems", default=None, help="comma-separated substrings: run only matching systems")
+    p.add_argument("--bins", default=None,
+                   help=f"comma-separated length bins to measure (default all: {','.join(DEFAULT_BINS)})")
     p.add_argument("--budget-min", type=float, default=26.0,
                    help="start no new point after this many minutes (keeps the default run under 30)")
     args = p.parse_args(argv)
+    if args.bins:
+        known = SMOKE_BINS if args.smoke else DEFAULT_BINS
+        unknown = [b.strip() for b in args.bins.split(",") if b.strip() not in known]
+        if unknown:
+            p.error(f"--bins: no bin {', '.join(unknown)} (there are {', '.join(known)})")
     if args.smoke:
         args.model = args.model or "tiny:llama"
         args.sample = args.sample or 1
@@ -148,6 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     geo = geometry(loaded.model)
     bins = SMOKE_BINS if args.smoke else DEFAULT_BINS
+    if args.bins:  # (checked by the parser)
+        bins = {b: bins[b] for b in (x.strip() for x in args.bins.split(",")) if b}
     max_prompt = geo["max_context"] - args.new_tokens - 8
     source = json.loads(args.conversations.read_text()) if args.conversations else None
     convs, points = select_points(args.sample, args.per_bin, args.seed, loaded.tokenizer, bins, max_prompt, source=source)
