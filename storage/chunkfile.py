@@ -517,8 +517,9 @@ class Converted:
     not scaled), computed in float32 and rounded once (to nearest even) to
     ``dtype`` (float32 or bfloat16), fill ``buffers`` in order: writable,
     C-contiguous, together exactly the tensor's elements in ``dtype``, each
-    whole rows (or one :class:`~.nativeread.Spans`, each stretch whole rows). What a quantized tensor dequantizes to, without its codes
-    ever being in memory whole (see :mod:`.nativeread`).
+    whole rows (or one :class:`~.nativeread.Spans`, each stretch whole
+    rows). What a quantized tensor dequantizes to, without its codes ever
+    being in memory whole (see :mod:`.nativeread`).
 
     With ``zero``, the tensor is uint8, two 4-bit codes a byte (the low
     nibble first, ``row // 2`` bytes a row), and each element is ``code *
