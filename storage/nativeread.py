@@ -278,10 +278,11 @@ static void chatkv_convert_int4(const struct chatkv_piece *q, long long done, co
     const long long row = q->row, dst = q->conv % 16;
     if (q->group > 0) {  /* one (scale, offset) per group of each row */
         const long long groups = row / q->group;
+        const uint16_t *s = scale + done * groups, *z = zero + done * groups;
         if (dst == DST_F32)
-            chatkv_groups_f32(in, (float *)out, rows, row, q->group, scale + done * groups, zero + done * groups, sf);
+            chatkv_groups_f32(in, (float *)out, rows, row, q->group, s, z, sf);
         else
-            chatkv_groups_bf16(in, (uint16_t *)out, rows, row, q->group, scale + done * groups, zero + done * groups, sf);
+            chatkv_groups_bf16(in, (uint16_t *)out, rows, row, q->group, s, z, sf);
         return;
     }
     for (long long r = done; r < done + rows; r++) {
