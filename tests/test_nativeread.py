@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
 from chatkv.storage import nativeread
@@ -18,6 +17,7 @@ def _as_spans(rows, pieces: list[tuple], row_bytes: int) -> list[tuple]:
     """``pieces`` of whole ``rows`` (a view of one tensor's rows) as Spans
     over that tensor's bytes, each piece's rows in two stretches."""
     import numpy as np
+    import torch
 
     memory = rows.view(-1).view(torch.uint8).numpy()
     base = memory.ctypes.data
