@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.bins:
         known = SMOKE_BINS if args.smoke else DEFAULT_BINS
-        unknown = [b.strip() for b in args.bins.split(",") if b.strip() not in known]
+        args.bins = [b for b in (x.strip() for x in args.bins.split(",")) if b]
+        unknown = [b for b in args.bins if b not in known]
         if unknown:
             p.error(f"--bins: no bin {', '.join(unknown)} (there are {', '.join(known)})")
     if args.smoke:
@@ -155,8 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     geo = geometry(loaded.model)
     bins = SMOKE_BINS if args.smoke else DEFAULT_BINS
-    if args.bins:  # (checked by the parser)
-        bins = {b: bins[b] for b in (x.strip() for x in args.bins.split(",")) if b}
+    if args.bins:  # (parsed and checked with the arguments)
+        bins = {b: bins[b] for b in args.bins}
     max_prompt = geo["max_context"] - args.new_tokens - 8
     source = json.loads(args.conversations.read_text()) if args.conversations else None
     convs, points = select_points(args.sample, args.per_bin, args.seed, loaded.tokenizer, bins, max_prompt, source=source)

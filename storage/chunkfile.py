@@ -695,11 +695,12 @@ class ChunkReader:
             raise ValueError(f"no conversion of tensor {name!r} from {source} to {target}")
         count = math.prod(shape) * (2 if nibbles else 1)
         row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
-        spans = isinstance(converted.buffers, nativeread.Spans)
-        bufs = [converted.buffers] if spans else [memoryview(b).cast("B") for b in converted.buffers]
-        whole = (row >= 1 and not (converted.buffers.sizes % (row * target_size)).any() if spans
-                 else all(row >= 1 and b.nbytes % (row * target_size) == 0 for b in bufs))
-        if row < 1 or count % row or not whole or sum(nativeread.nbytes_of(b) for b in bufs) != count * target_size:
+        if isinstance(converted.buffers, nativeread.Spans):
+            bufs, sizes = [converted.buffers], converted.buffers.sizes.tolist()
+        else:
+            bufs = [memoryview(b).cast("B") for b in converted.buffers]
+            sizes = [b.nbytes for b in bufs]
+        if row < 1 or count % row or any(n % (row * target_size) for n in sizes) or sum(sizes) != count * target_size:
             raise ValueError(f"buffers for tensor {name!r} do not hold its {count} elements as whole rows of "
                              f"{row} {target}")
         rows = count // row
