@@ -91,6 +91,11 @@ _SOURCE = r"""
 #include <unistd.h>
 
 typedef int (*chatkv_update_fn)(void *state, const void *input, size_t length);
+typedef void *(*chatkv_create_fn)(void);
+typedef int (*chatkv_reset_fn)(void *state);
+typedef struct { uint64_t low64, high64; } chatkv_hash128;
+typedef chatkv_hash128 (*chatkv_digest_fn)(const void *state);
+typedef int (*chatkv_free_fn)(void *state);
 
 /* Element types of a converted piece: in the file, then where it goes. */
 enum { SRC_INT8 = 1, SRC_E4M3 = 2, SRC_F16 = 3, SRC_BF16 = 4, SRC_F32 = 5, SRC_U4 = 6 };
@@ -401,6 +406,29 @@ long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pie
     free(expand);
     return status != 0 ? status : total;
 }
+
+/* chatkv_read_pieces with a hash state of its own: made, reset, read into,
+   digested into digest[0] (low 64 bits) and digest[1], and freed, through
+   the xxhash functions in fns (create, reset, update, digest, free), all in
+   this one call (each call through ctypes gives the GIL away and waits for
+   it back). Returns as chatkv_read_pieces does (-ENOMEM where no state
+   could be made too). */
+long long chatkv_read_digest(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
+                             void *const *fns, uint64_t *digest)
+{
+    void *state = ((chatkv_create_fn)fns[0])();
+    if (!state)
+        return -(long long)ENOMEM;
+    ((chatkv_reset_fn)fns[1])(state);
+    long long got = chatkv_read_pieces(fd, n, pieces, slice, state, (chatkv_update_fn)fns[2]);
+    if (got >= 0) {
+        chatkv_hash128 h = ((chatkv_digest_fn)fns[3])(state);
+        digest[0] = h.low64;
+        digest[1] = h.high64;
+    }
+    ((chatkv_free_fn)fns[4])(state);
+    return got;
+}
 """
 
 
@@ -499,12 +527,6 @@ def nbytes_of(buf: Any) -> int:
 _PIECE_FIELDS = 10
 
 
-class _Hash128(ctypes.Structure):
-    """xxhash's ``XXH128_hash_t``."""
-
-    _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
-
-
 class NativeReads:
     """The loaded function and xxhash's xxh3-128 entry points (see the module doc)."""
 
@@ -518,22 +540,19 @@ class NativeReads:
         lib = ctypes.CDLL(str(library))
         xx = ctypes.CDLL(xxhash_library)
         ll = ctypes.c_longlong
-        self._read = lib.chatkv_read_pieces
+        self._read = lib.chatkv_read_digest
         self._read.restype = ll
         self._read.argtypes = [ctypes.c_int, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ctypes.c_void_p]
-        self._create = xx.XXH3_createState
-        self._create.restype = ctypes.c_void_p
-        self._create.argtypes = []
-        self._reset = xx.XXH3_128bits_reset
-        self._reset.argtypes = [ctypes.c_void_p]
-        self._digest = xx.XXH3_128bits_digest
-        self._digest.argtypes = [ctypes.c_void_p]
-        self._digest.restype = _Hash128
-        self._free = xx.XXH3_freeState
-        self._free.argtypes = [ctypes.c_void_p]
-        # The dispatching update (AVX2/AVX-512 where the CPU has them), as xxhash's
-        # Python objects use: the plain symbol is its SSE2 build, slower than them.
-        self._update = ctypes.cast(xx.XXH3_128bits_update_dispatch, ctypes.c_void_p).value
+        # The state's make, reset, update, digest and free, called by the C
+        # function itself: one call through ctypes a chunk, not five (each
+        # gives the GIL away and waits for it back while the other reader
+        # holds it). The dispatching update (AVX2/AVX-512 where the CPU has
+        # them), as xxhash's Python objects use: the plain symbol is its SSE2
+        # build, slower than them.
+        names = ("XXH3_createState", "XXH3_128bits_reset", "XXH3_128bits_update_dispatch",
+                 "XXH3_128bits_digest", "XXH3_freeState")
+        self._functions = (ctypes.c_void_p * len(names))(
+            *(ctypes.cast(getattr(xx, name), ctypes.c_void_p).value for name in names))
         self._libraries = (lib, xx)  # kept loaded
 
     def read_hashed(self, fd: int, pieces: Sequence[tuple[Any, ...]], slice_bytes: int) -> str:
@@ -601,20 +620,13 @@ class NativeReads:
             count = len(fields) // _PIECE_FIELDS
             packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
             address = packed.buffer_info()[0]
-        state = self._create()
-        if not state:
-            raise MemoryError("XXH3_createState failed")
-        try:
-            self._reset(state)
-            got = self._read(fd, count, address, slice_bytes, state, self._update)
-            if got == _SHORT_READ:
-                raise EOFError("the file ends before the pieces do")
-            if got < 0:
-                raise OSError(-got, os.strerror(-got))
-            digest = self._digest(state)
-        finally:
-            self._free(state)
-        return f"{digest.high64:016x}{digest.low64:016x}"
+        digest = (ctypes.c_uint64 * 2)()
+        got = self._read(fd, count, address, slice_bytes, self._functions, digest)
+        if got == _SHORT_READ:
+            raise EOFError("the file ends before the pieces do")
+        if got < 0:
+            raise OSError(-got, os.strerror(-got))
+        return f"{digest[1]:016x}{digest[0]:016x}"
 
     @staticmethod
     def _address(buf: Any, pinned: list[Any], filled: bool) -> tuple[int, int]:
