@@ -28,6 +28,7 @@ side of storage that uses it, loads without them.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -406,16 +407,15 @@ def _checked_size(path: Path, expected_hash: ChunkHash, expected_bytes: int | No
     return size
 
 
-def _checked_identity(md: Mapping[str, str], ids_t: torch.Tensor | None, expected_hash: ChunkHash,
+def _checked_identity(md: Mapping[str, str], token_ids: list[int] | None, expected_hash: ChunkHash,
                       fingerprint: str | None, verify: bool) -> tuple[list[int], ChunkHash | None]:
-    """Check a chunk's format, name, fingerprint and token ids (and, with ``verify``,
-    that its chained hash follows from them); returns ``(token ids, parent)``.
+    """Check a chunk's format, name, fingerprint and token ids (``token_ids``:
+    its int32 token id vector, None where it has none) and, with ``verify``,
+    that its chained hash follows from them; returns ``(token ids, parent)``.
 
     Raises:
         CorruptChunkError: any check failed.
     """
-    import torch
-
     if md.get("format") != FORMAT or md.get("format_version") != FORMAT_VERSION:
         raise CorruptChunkError(
             expected_hash, f"format {md.get('format')!r} v{md.get('format_version')!r}, expected {FORMAT} v{FORMAT_VERSION}"
@@ -424,9 +424,8 @@ def _checked_identity(md: Mapping[str, str], ids_t: torch.Tensor | None, expecte
         raise CorruptChunkError(expected_hash, f"file says it is chunk {md.get('chunk_hash')!r}")
     if fingerprint is not None and md.get("fingerprint") != fingerprint:
         raise CorruptChunkError(expected_hash, f"fingerprint {md.get('fingerprint')!r}, expected {fingerprint!r}")
-    if ids_t is None or ids_t.dtype != torch.int32 or ids_t.dim() != 1:
+    if token_ids is None:
         raise CorruptChunkError(expected_hash, "no int32 token id vector")
-    token_ids = ids_t.tolist()
     if str(len(token_ids)) != md.get("n_tokens"):
         raise CorruptChunkError(expected_hash, f"{len(token_ids)} token ids, metadata says {md.get('n_tokens')}")
     parent = ChunkHash(md["parent"]) if md.get("parent") else None
@@ -500,8 +499,11 @@ def read_chunk_file(
         md, tensors = map_safetensors(path)
     except (OSError, ValueError) as e:
         raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
+    import torch
+
     ids_t = tensors.pop(TOKEN_IDS_KEY, None)
-    token_ids, parent = _checked_identity(md, ids_t, expected_hash, fingerprint, verify)
+    ids = ids_t.tolist() if ids_t is not None and ids_t.dtype == torch.int32 and ids_t.dim() == 1 else None
+    token_ids, parent = _checked_identity(md, ids, expected_hash, fingerprint, verify)
     if verify:
         _verify_checksum(md, {name: _entry(t) for name, t in {**tensors, TOKEN_IDS_KEY: ids_t}.items()},
                          expected_hash)
@@ -556,14 +558,18 @@ class ChunkReader:
     def __init__(self, fd: int, expected_hash: ChunkHash,
                  entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]], base: int,
                  metadata: dict[str, str], token_ids: list[int], parent: ChunkHash | None,
-                 ids_tensor: torch.Tensor) -> None:
-        """Use :func:`open_chunk_file`."""
+                 ids_bytes: bytes) -> None:
+        """Use :func:`open_chunk_file` (``ids_bytes``: the token ids as the file holds them)."""
+        import torch
+
         self._fd = fd
         self.hash = expected_hash
         self.parent = parent
         self.token_ids = token_ids
         self.metadata = metadata
-        self._ids = ids_tensor
+        # What the payload checksum hashes for the token ids (see _feed).
+        self._ids_entry = (_entry_header(TOKEN_IDS_KEY, torch.int32, (len(token_ids),)),
+                           [ids_bytes] if ids_bytes else [])
         self._spans = {name: (base + begin, end - begin) for name, (_, _, begin, end) in entries.items()}
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}
@@ -625,6 +631,7 @@ class ChunkReader:
             raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
                              "not into buffers or converted")
         fresh: dict[str, torch.Tensor] = {}
+        arrays: dict[str, Any] = {}  # fresh ones numpy made, by name (numpy views of them)
         views: dict[str, list[memoryview]] = {}
         for name, (_, nbytes) in self._spans.items():
             if name in converted:
@@ -636,14 +643,19 @@ class ChunkReader:
                     raise ValueError(f"buffers for tensor {name!r} hold {sum(nativeread.nbytes_of(b) for b in bufs)} "
                                      f"bytes, the tensor {nbytes}")
             else:
-                dtype, shape = self.shapes[name]
-                fresh[name] = torch.empty(shape, dtype=dtype)
-                bufs = [fresh[name].view(-1).view(torch.uint8).numpy().data] if nbytes else []
+                fresh[name], arrays[name] = _fresh(*self.shapes[name])
+                bufs = [memoryview(arrays[name]).cast("B")] if nbytes else []
             views[name] = bufs
         if converted:  # only the native reads convert
-            for name in scales:  # before the tensors they scale; hashed from memory in their turn
-                _preadv_all(self._fd, views[name], self._spans[name][0], self.hash)
-            plans = {name: (bufs, self._scaled(convert, converted[name], fresh))
+            # Before the tensors they scale, in as few reads as they lie in (K's and V's
+            # are neighbours in the file); hashed from memory in their turn.
+            ordered = sorted(scales, key=lambda name: self._spans[name][0])
+            while ordered:
+                run = [ordered.pop(0)]
+                while ordered and self._spans[ordered[0]][0] == sum(self._spans[run[-1]]):
+                    run.append(ordered.pop(0))
+                _preadv_all(self._fd, [v for name in run for v in views[name]], self._spans[run[0]][0], self.hash)
+            plans = {name: (bufs, self._scaled(convert, converted[name], arrays))
                      for name, (bufs, convert) in plans.items()}
             plan = self._checksum_plan(views, plans, scales)
             hexdigest = self._read_native(nativeread.reader(), plan)  # type: ignore[arg-type]
@@ -725,12 +737,10 @@ class ChunkReader:
             raise ValueError(f"tensor {parameters!r} holds {held} values, not the {count} that {name!r} needs")
 
     @staticmethod
-    def _scaled(convert: nativeread.Convert, converted: Converted,
-                fresh: Mapping[str, torch.Tensor]) -> nativeread.Convert:
+    def _scaled(convert: nativeread.Convert, converted: Converted, arrays: Mapping[str, Any]) -> nativeread.Convert:
         """``convert`` (:meth:`_conversion`) given the scales and offsets that
-        ``converted`` names, read into ``fresh``."""
-        scale, zero = (None if name is None else fresh[name].view(-1).numpy()
-                       for name in (converted.scale, converted.zero))
+        ``converted`` names, read into ``arrays`` (numpy arrays, by name)."""
+        scale, zero = (None if name is None else arrays[name].reshape(-1) for name in (converted.scale, converted.zero))
         return convert if scale is None else replace(convert, scale=scale, zero=zero)
 
     def _checksum_plan(self, views: Mapping[str, list[memoryview]],
@@ -747,8 +757,7 @@ class ChunkReader:
         plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]] = []
         for name in sorted([*views, *converted, TOKEN_IDS_KEY]):
             if name == TOKEN_IDS_KEY:
-                dtype, shape, buffers = _entry(self._ids)
-                plan.append((_entry_header(name, dtype, shape), buffers, None, None))
+                plan.append((*self._ids_entry, None, None))
                 continue
             header = _entry_header(name, *self.shapes[name])
             if name in converted:
@@ -798,9 +807,12 @@ def open_chunk_file(
         MissingChunkError: no file.
         CorruptChunkError: any other check failed (the caller quarantines).
     """
+    import numpy as np
     import torch
 
-    size = _checked_size(path, expected_hash, expected_bytes)
+    # No torch operators here, and as few system calls as can be: a restore's
+    # readers open chunks side by side, and each such call gives the GIL away
+    # and waits for it back.
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -808,27 +820,38 @@ def open_chunk_file(
     except OSError as e:
         raise CorruptChunkError(expected_hash, f"cannot open the file ({e.strerror or e})") from e
     try:
-        head = os.pread(fd, 8, 0)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        buf = head + os.pread(fd, n, 8) if 0 < n <= size - 8 else head
-        header, md, base = _read_header(buf, size)
+        size = os.fstat(fd).st_size
+        if expected_bytes is not None and size != expected_bytes:
+            raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
+        head = os.pread(fd, OPEN_READ_BYTES, 0)  # the header, and the token ids where they come first
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        if len(head) < 8 + n <= size:
+            head += os.pread(fd, 8 + n - len(head), len(head))
+        header, md, base = _read_header(head, size)
         entries = _entries(header, base, size)
         ids_entry = entries.pop(TOKEN_IDS_KEY, None)
-        if ids_entry is None or ids_entry[0] != torch.int32 or len(ids_entry[1]) != 1:
-            raise CorruptChunkError(expected_hash, "no int32 token id vector")
-        _, _, begin, end = ids_entry
-        raw = os.pread(fd, end - begin, base + begin)
-        if len(raw) != end - begin:
-            raise CorruptChunkError(expected_hash, "the file ends before its token ids do")
-        ids_t = torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.empty(0, dtype=torch.int32)
-        token_ids, parent = _checked_identity(md, ids_t, expected_hash, fingerprint, verify=True)
-        return ChunkReader(fd, expected_hash, entries, base, md, token_ids, parent, ids_t)
+        token_ids = None
+        raw = b""
+        if ids_entry is not None and ids_entry[0] == torch.int32 and len(ids_entry[1]) == 1:
+            _, _, begin, end = ids_entry
+            raw = head[base + begin: base + end] if base + end <= len(head) else os.pread(fd, end - begin, base + begin)
+            if len(raw) != end - begin:
+                raise CorruptChunkError(expected_hash, "the file ends before its token ids do")
+            token_ids = np.frombuffer(raw, dtype="<i4").tolist()
+        token_ids, parent = _checked_identity(md, token_ids, expected_hash, fingerprint, verify=True)
+        return ChunkReader(fd, expected_hash, entries, base, md, token_ids, parent, raw)
     except ValueError as e:
         os.close(fd)
         raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
     except BaseException:
         os.close(fd)
         raise
+
+
+#: Bytes :func:`open_chunk_file` reads first: a chunk's header (under 1.1 kB
+#: for SmolLM2's) and, in most formats, its token ids, which come right after
+#: it (1 kB for 256 tokens), in one ``pread``.
+OPEN_READ_BYTES = 4096
 
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024,
@@ -839,6 +862,33 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MA
 #: as it reads: few enough that xxh3 finds them in the core's L2 cache (about
 #: 80 GB/s a thread there, 26 from memory, on this project's VM).
 HASHED_READ_BYTES = 256 << 10
+
+
+def _fresh(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:
+    """A new tensor of ``dtype`` and ``shape`` and a C-contiguous numpy array
+    of its memory: made by numpy where numpy has the dtype (no torch
+    operators, each of which gives the GIL away and waits for it back while
+    the other reader holds it), else by torch (the array then of bytes)."""
+    import numpy as np
+    import torch
+
+    np_dtype = _numpy_dtypes().get(dtype)
+    if np_dtype is not None:
+        array = np.empty(shape, dtype=np_dtype)
+        return torch.from_numpy(array), array
+    tensor = torch.empty(shape, dtype=dtype)
+    return tensor, tensor.view(-1).view(torch.uint8).numpy()
+
+
+@functools.cache
+def _numpy_dtypes() -> dict[Any, Any]:
+    """The dtypes :func:`_fresh` makes with numpy: numpy's, by torch dtype."""
+    import numpy as np
+    import torch
+
+    return {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+            torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+            torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
 def _plain(bufs: Sequence[Any]) -> list[Any]:

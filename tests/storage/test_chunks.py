@@ -408,6 +408,38 @@ def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
     assert not store.has_chunk(r.chunks[0].hash)
 
 
+@pytest.mark.parametrize("where", ["first read", "header past it", "ids past it"])
+def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chunk_reads, where: str) -> None:
+    """A chunk is opened with one read of its first bytes where its header and
+    token ids lie in them, with more reads where they do not (a long header;
+    token ids after a large tensor); either way the same tokens and tensors."""
+    from chatkv.storage.chunkfile import OPEN_READ_BYTES, read_safetensors_metadata
+
+    ids = list(range(40))
+    extra = {"note": "x" * (2 * OPEN_READ_BYTES)} if where == "header past it" else {}
+    tensors = {"kv": torch.randn(2, 2, 4, 2, 8)}
+    if where == "ids past it":  # float32 and more than the first read: laid out before the int32 ids
+        tensors["big"] = torch.randn(2 * OPEN_READ_BYTES)
+    info = store.write_chunk(ids, tensors, ChunkMeta(FP, "paged-v1", "float32", 16, "none", extra=extra))
+    path = store.path_of(info)
+    with path.open("rb") as f:
+        header_bytes = 8 + int.from_bytes(f.read(8), "little")
+        header = __import__("json").loads(f.read(header_bytes - 8))
+    ids_end = header_bytes + header["__token_ids__"]["data_offsets"][1]
+    assert (header_bytes > OPEN_READ_BYTES) == (where == "header past it")
+    assert (ids_end > OPEN_READ_BYTES) == (where != "first read")
+    assert read_safetensors_metadata(path).get("x.note") == extra.get("note")
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[info.hash])
+    (source,) = list(store.open_kv("s", fingerprint=FP))
+    assert source.token_ids == ids
+    got = torch.empty(2, 2, 4, 2, 8)
+    fresh = source.read_into({"kv": [got.view(-1).view(torch.uint8).numpy().data]})
+    assert torch.equal(got, tensors["kv"]) and set(fresh) == set(tensors) - {"kv"}
+    for name, t in fresh.items():
+        assert torch.equal(t, tensors[name])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_into_converts_scaled_codes_as_it_reads_them(store: Store, chunk_reads, dtype) -> None:
     """A chunk's int8 codes, converted as they are read into the caller's
