@@ -83,6 +83,7 @@ TARGET_TYPES: dict[str, tuple[int, int]] = {"float32": (1, 4), "bfloat16": (2, 2
 
 _SOURCE = r"""
 #include <errno.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -229,7 +230,25 @@ struct chatkv_piece {
     long long block;  /* int4 with one (scale, offset) per element over a block of rows: rows per block */
     long long phase;  /* ... and rows of the piece's first block before the piece */
     long long group;  /* int4 with (scale, offset) per group of elements of each row: elements per group */
+    long long spans;  /* 0: its bytes go to addr on; else the address of count int64 offsets from addr, */
+    long long sizes;  /* ... and of their count int64 sizes: its bytes fill those stretches in turn */
+    long long count;  /* (each stretch whole rows when converted; empty ones skipped) */
 };
+
+/* Where piece q's next bytes go: *p and *room (its bytes) for the first
+   non-empty stretch from *j on, *j moved past it; -EINVAL past its last. */
+static long long chatkv_stretch(const struct chatkv_piece *q, long long *j, char **p, long long *room)
+{
+    const long long *offsets = (const long long *)(size_t)q->spans, *sizes = (const long long *)(size_t)q->sizes;
+    while (*j < q->count && sizes[*j] <= 0)
+        (*j)++;
+    if (*j >= q->count)
+        return -(long long)EINVAL;
+    *p = (char *)(size_t)q->addr + offsets[*j];
+    *room = sizes[*j];
+    (*j)++;
+    return 0;
+}
 
 static void chatkv_convert(long long conv, const void *in, void *out, long long rows, long long row,
                            const float *scale)
@@ -326,10 +345,12 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
 /* For each of the n pieces in order: where off < 0, feed the len bytes at
    addr to the hash; else read len bytes from fd at offset off, at most slice
    bytes per pread, feeding each slice to the hash as soon as it lands: where
-   conv is 0, into addr; else into a staging buffer, from which the slice's
-   whole rows are converted into addr (see struct chatkv_piece and the
-   conversions above). Returns the bytes read from fd, -errno after a failed
-   read or allocation, or -(1 << 40) when the file ends before the pieces do. */
+   conv is 0, into addr (or its stretches); else into a staging buffer, from
+   which the slice's whole rows are converted into addr (or its stretches; see
+   struct chatkv_piece and the conversions above). Returns the bytes read
+   from fd, -errno after a failed read or allocation (-EINVAL: stretches
+   that do not hold the piece in whole rows), or -(1 << 40) when the file
+   ends before the pieces do. */
 long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
                              void *state, chatkv_update_fn update)
 {
@@ -343,17 +364,22 @@ long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pie
         const struct chatkv_piece *q = &pieces[i];
         char *p = (char *)(size_t)q->addr;
         long long left = q->len, at = q->off;
+        long long stretch = 0, room = q->spans ? 0 : LLONG_MAX;  /* bytes left where p points */
         if (at < 0) {
             update(state, p, (size_t)left);
             continue;
         }
         if (q->conv == 0) {  /* straight into place, a slice at a time */
             while (left > 0 && status == 0) {
-                size_t want = left < slice ? (size_t)left : (size_t)slice;
+                if (room == 0 && (status = chatkv_stretch(q, &stretch, &p, &room)) != 0)
+                    break;
+                long long most = left < slice ? left : slice;
+                size_t want = (size_t)(most < room ? most : room);
                 status = chatkv_fill(fd, p, want, at);
                 if (status == 0) {
                     update(state, p, want);
                     p += want;
+                    room -= (long long)want;
                     at += (long long)want;
                     left -= (long long)want;
                     total += (long long)want;
@@ -381,8 +407,17 @@ long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pie
             break;
         }
         const float *sc = (const float *)(size_t)q->scale;
+        const long long out_row = q->row * dst_size[dst];
         while (left > 0) {
+            if (room == 0 && (status = chatkv_stretch(q, &stretch, &p, &room)) != 0)
+                break;
             long long rows = left / row_bytes < per ? left / row_bytes : per;
+            if (rows > room / out_row)
+                rows = room / out_row;
+            if (rows <= 0) {  /* (partial rows: the callers check first) */
+                status = -(long long)EINVAL;
+                break;
+            }
             size_t want = (size_t)(rows * row_bytes);
             status = chatkv_fill(fd, stage, want, at);
             if (status != 0)
@@ -395,7 +430,8 @@ long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pie
                 if (sc)
                     sc += rows;
             }
-            p += rows * q->row * dst_size[dst];
+            p += rows * out_row;
+            room -= rows * out_row;
             done += rows;
             at += (long long)want;
             left -= (long long)want;
@@ -471,8 +507,9 @@ class Spans:
     ``offsets[i]`` of ``memory`` (a writable, C-contiguous buffer). What a
     reader into many runs of one large buffer (the layers of a block pool's
     slots) passes instead of a view per run: :meth:`NativeReads.read_hashed`
-    then builds its pieces with a few array operations, where a view per run
-    cost a Python step each (a restored chunk has 60 or more).
+    then hands its arrays to the C function, which moves from stretch to
+    stretch itself, where a view per run cost a Python step each (a restored
+    chunk has 60 or more).
 
     Attributes:
         memory: the buffer (kept alive by this object).
@@ -523,8 +560,8 @@ def nbytes_of(buf: Any) -> int:
 
 
 #: long longs in the C source's ``struct chatkv_piece``: addr, len, off,
-#: conv, row, scale, zero, block, phase, group.
-_PIECE_FIELDS = 10
+#: conv, row, scale, zero, block, phase, group, spans, sizes, count.
+_PIECE_FIELDS = 13
 
 
 class NativeReads:
@@ -579,8 +616,7 @@ class NativeReads:
                 not whole rows, too few scales or offsets); nothing was read.
         """
         fields: list[int] = []  # the struct chatkv_piece array, field by field
-        blocks: list[Any] = []  # ... or, where Spans came, int64 arrays of whole pieces, in order
-        pinned: list[Any] = []  # the buffers' exports, alive until the call returns
+        pinned: list[Any] = []  # the buffers' exports (and the Spans' arrays), alive until the call returns
         conversions: dict[int, _Conversion] = {}
 
         def conversion_of(convert: Convert) -> _Conversion:
@@ -593,12 +629,9 @@ class NativeReads:
             if isinstance(buf, Spans):
                 if offset < 0:
                     raise ValueError("spans are read into, not only hashed")
-                if fields:
-                    blocks.append(fields)
-                    fields = []
                 address = self._address(buf.check(), pinned, filled=True)[0]
-                blocks.append(_span_pieces(buf, address, offset, conversion_of(more[0]) if more else None,
-                                           more[1] if more else 0))
+                fields += _span_piece(buf, address, offset, conversion_of(more[0]) if more else None,
+                                      more[1] if more else 0, pinned)
                 continue
             address, size = self._address(buf, pinned, filled=offset >= 0)
             if not size:
@@ -608,18 +641,10 @@ class NativeReads:
                 fields += conversion_of(convert).piece(address, size, offset, first)
             else:
                 fields += (address, size, offset, 0, 0, 0, 0, 0, 0, 0)
-        if blocks:
-            import numpy as np
-
-            if fields:
-                blocks.append(fields)
-            packed = np.concatenate([np.asarray(b, dtype=np.int64).reshape(-1) for b in blocks])
-            count = len(packed) // _PIECE_FIELDS
-            address = packed.ctypes.data
-        else:
-            count = len(fields) // _PIECE_FIELDS
-            packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
-            address = packed.buffer_info()[0]
+            fields += (0, 0, 0)  # not Spans
+        count = len(fields) // _PIECE_FIELDS
+        packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
+        address = packed.buffer_info()[0]
         digest = (ctypes.c_uint64 * 2)()
         got = self._read(fd, count, address, slice_bytes, self._functions, digest)
         if got == _SHORT_READ:
@@ -718,49 +743,33 @@ class _Conversion:
                 block, phase, group)
 
 
-def _span_pieces(spans: Spans, address: int, offset: int, conversion: _Conversion | None, first: int) -> Any:
-    """The ``struct chatkv_piece`` fields (an int64 array, a row per stretch)
-    that fill ``spans`` (its buffer at ``address``) from the file at
-    ``offset``: as they are or, with ``conversion``, converted, rows
-    ``first`` on of its tensor (as :meth:`_Conversion.piece` gives them one
-    by one). Empty stretches are left out.
+def _span_piece(spans: Spans, address: int, offset: int, conversion: _Conversion | None, first: int,
+                pinned: list[Any]) -> tuple[int, ...]:
+    """The ``struct chatkv_piece`` fields of one piece that fills ``spans``
+    (its buffer at ``address``; :meth:`Spans.check` passed) stretch by
+    stretch from the file at ``offset``: as they are or, with
+    ``conversion``, converted, rows ``first`` on of its tensor (as
+    :meth:`_Conversion.piece` gives them for a buffer of the same bytes; the
+    C function moves on to the next stretch where one is full). Its int64
+    arrays of offsets and sizes are kept in ``pinned``.
 
     Raises:
         ValueError: a stretch of partial rows, or too few scales or offsets.
     """
     import numpy as np
 
-    sizes = spans.sizes.astype(np.int64, copy=False)
-    out = np.zeros((len(sizes), _PIECE_FIELDS), dtype=np.int64)
-    out[:, 0] = address + spans.offsets
+    offsets = np.ascontiguousarray(spans.offsets, dtype=np.int64)
+    sizes = np.ascontiguousarray(spans.sizes, dtype=np.int64)
+    pinned += (offsets, sizes)
+    total = int(sizes.sum())
     if conversion is None:
-        out[:, 1] = sizes
+        head: tuple[int, ...] = (address, total, offset, 0, 0, 0, 0, 0, 0, 0)
     else:
         c = conversion.convert
-        row = c.row
-        if first < 0 or (sizes % (row * conversion.target_size)).any():
-            raise ValueError(f"a span is not whole rows of {row} {c.target}")
-        rows = sizes // (row * conversion.target_size)
-        firsts = first + np.cumsum(rows) - rows
-        out[:, 1] = rows * row * conversion.source_bits // 8
-        out[:, 3], out[:, 4] = conversion.code, row
-        if c.block:
-            start, end = 2 * (firsts // c.block) * row, 2 * ((firsts + rows - 1) // c.block + 1) * row
-            out[:, 7], out[:, 8] = c.block, firsts % c.block
-        elif c.group:
-            start, end = 2 * firsts * (row // c.group), 2 * (firsts + rows) * (row // c.group)
-            out[:, 9] = c.group
-        else:
-            start, end = 4 * firsts, 4 * (firsts + rows)
-        for column, name in ((5, "scale"), (6, "zero")):
-            base, nbytes = getattr(conversion, name)
-            if base:
-                if len(rows) and int(end.max()) > nbytes:
-                    raise ValueError(f"{nbytes} bytes of {name}s where rows {first} to {first + int(rows.sum())} "
-                                     f"need {int(end.max())}")
-                out[:, column] = base + start
-    out[:, 2] = offset + np.cumsum(out[:, 1]) - out[:, 1]
-    return out[sizes > 0]
+        if first < 0 or (sizes % (c.row * conversion.target_size)).any():
+            raise ValueError(f"a span is not whole rows of {c.row} {c.target}")
+        head = conversion.piece(address, total, offset, first)
+    return (*head, offsets.ctypes.data, sizes.ctypes.data, len(sizes))
 
 
 _lock = threading.Lock()

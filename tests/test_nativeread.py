@@ -57,6 +57,32 @@ def test_pieces_land_and_hash_as_xxhash_does(reads: nativeread.NativeReads, tmp_
     assert digest == xxhash.xxh3_128(b"head" + data[30_000:] + b"read-only" + data[:30_000] + b"writable").hexdigest()
 
 
+@pytest.mark.parametrize("slice_bytes", [1, 700, 4096, 1 << 20])
+def test_spans_are_filled_stretch_by_stretch_from_one_run_of_the_file(reads: nativeread.NativeReads,
+                                                                      tmp_path: Path, slice_bytes: int) -> None:
+    """A Spans piece takes the file's bytes from its offset on, in order,
+    into its stretches (out of buffer order, an empty one among them, some
+    larger and some smaller than a slice), and hashes them in that order."""
+    import numpy as np
+
+    data = os.urandom(10_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    memory = bytearray(12_000)
+    offsets = np.array([9_000, 0, 5_000, 3_000, 6_500], dtype=np.int64)
+    sizes = np.array([2_500, 2_500, 0, 1_500, 2_000], dtype=np.int64)
+    spans = nativeread.Spans(memory, offsets, sizes)
+    with open(path, "rb") as f:
+        digest = reads.read_hashed(f.fileno(), [(b"head", -1), (spans, 1_000), (b"tail", -1)], slice_bytes)
+    want = bytearray(12_000)
+    at = 1_000
+    for o, n in zip(offsets.tolist(), sizes.tolist()):
+        want[o: o + n] = data[at: at + n]
+        at += n
+    assert memory == want and at == 9_500
+    assert digest == xxhash.xxh3_128(b"head" + data[1_000:9_500] + b"tail").hexdigest()
+
+
 def test_an_early_end_a_failed_read_and_a_read_only_target_are_errors(reads: nativeread.NativeReads,
                                                                       tmp_path: Path) -> None:
     path = tmp_path / "f"
