@@ -18,6 +18,7 @@ the loop commit what was read and verified.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ import numpy as np
 
 from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
-from chatkv.kvcodec import pack, packed_format, packed_layout, parse_packed, unpack, unpack_into
+from chatkv.kvcodec import PackedPart, pack, packed_format, packed_layout, parse_packed, unpack, unpack_into
 from chatkv.models import KV_FORMAT_VERSION
 from chatkv.runner import StepInput
 from chatkv.sequence import Sequence, Shift
@@ -710,13 +711,9 @@ class KVPersister:
         import torch
 
         dtype = self.engine.pool.kv.dtype
-        try:
-            packed = parse_packed(base, KV_FORMAT_VERSION)
-        except ValueError:
+        if dtype not in (torch.float32, torch.bfloat16) or not source.converts():
             return None
-        if packed is None or dtype not in (torch.float32, torch.bfloat16) or not source.converts():
-            return None
-        layout = packed_layout(source.shapes, packed[0], packed[1], shape, dtype)
+        layout = _packed_layout(base, tuple(source.shapes.items()), shape, dtype)
         if layout is None:
             return None
         full, parts = layout
@@ -758,6 +755,20 @@ class KVPersister:
         if tensor is not None:
             pool.fill(slots, tensor[:, :, skip:])
         return reason
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_layout(base: str, shapes: tuple[tuple[str, tuple["torch.dtype", tuple[int, ...]]], ...],
+                   shape: tuple[int, int, int, int, int], dtype: "torch.dtype") -> tuple[int, list[PackedPart]] | None:
+    """:func:`chatkv.kvcodec.packed_layout` of a chunk of format ``base`` whose
+    tensors are ``shapes`` (items of :attr:`ChunkSource.shapes`), None where
+    ``base`` is not a packed format; kept for the chunks that follow (a
+    restore's chunks but its last share one)."""
+    try:
+        packed = parse_packed(base, KV_FORMAT_VERSION)
+    except ValueError:
+        return None
+    return None if packed is None else packed_layout(dict(shapes), packed[0], packed[1], shape, dtype)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -740,8 +740,11 @@ class ChunkReader:
     def _scaled(convert: nativeread.Convert, converted: Converted, arrays: Mapping[str, Any]) -> nativeread.Convert:
         """``convert`` (:meth:`_conversion`) given the scales and offsets that
         ``converted`` names, read into ``arrays`` (numpy arrays, by name)."""
-        scale, zero = (None if name is None else arrays[name].reshape(-1) for name in (converted.scale, converted.zero))
-        return convert if scale is None else replace(convert, scale=scale, zero=zero)
+        if converted.scale is None:
+            return convert
+        zero = None if converted.zero is None else arrays[converted.zero].reshape(-1)
+        return nativeread.Convert(convert.source, convert.target, convert.row, arrays[converted.scale].reshape(-1),
+                                  zero, convert.block, convert.group)
 
     def _checksum_plan(self, views: Mapping[str, list[memoryview]],
                        converted: Mapping[str, tuple[list[Any], nativeread.Convert]] | None = None,
