@@ -232,6 +232,29 @@ def test_reserved_slots_are_filled_then_committed_or_given_back():
     assert pool.stats().used_blocks == 0
 
 
+def test_reserved_slots_follow_scattered_blocks_from_a_partial_one():
+    """The slots of many tokens (more than a block) are each token's block's
+    slot, from a partly filled block on and across blocks that are not
+    neighbours in the pool, as a token at a time gives them."""
+    pool = make_pool(num_blocks=16, block_size=4)
+    a, b = Sequence(), Sequence()
+    fill(pool, a, [1, 2, 3])
+    fill(pool, b, [9])
+    for step in range(3):  # blocks taken in turn by a and b: a's are not neighbours
+        pool.reserve(b, [10 + step] * 4)
+        pool.commit(b, 4)
+        pool.reserve(a, list(range(4 + 4 * step, 8 + 4 * step)))
+        pool.commit(a, 4)
+    assert any(y != x + 1 for x, y in zip(a.block_table, a.block_table[1:]))
+    start = a.num_computed
+    slots = pool.reserve(a, list(range(100, 111)))  # from the middle of a block over three more
+    bs = pool.block_size
+    assert slots == [a.block_table[p // bs] * bs + p % bs for p in range(start, start + 11)]
+    assert len(set(slots)) == 11
+    pool.release(a)
+    pool.release(b)
+
+
 def test_commit_pages_writes_only_free_blocks():
     pool = make_pool(num_blocks=8)
     seq = Sequence()
