@@ -413,6 +413,8 @@ def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chu
     """A chunk is opened with one read of its first bytes where its header and
     token ids lie in them, with more reads where they do not (a long header;
     token ids after a large tensor); either way the same tokens and tensors."""
+    import json
+
     from chatkv.storage.chunkfile import OPEN_READ_BYTES, read_safetensors_metadata
 
     ids = list(range(40))
@@ -424,7 +426,7 @@ def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chu
     path = store.path_of(info)
     with path.open("rb") as f:
         header_bytes = 8 + int.from_bytes(f.read(8), "little")
-        header = __import__("json").loads(f.read(header_bytes - 8))
+        header = json.loads(f.read(header_bytes - 8))
     ids_end = header_bytes + header["__token_ids__"]["data_offsets"][1]
     assert (header_bytes > OPEN_READ_BYTES) == (where == "header past it")
     assert (ids_end > OPEN_READ_BYTES) == (where != "first read")
