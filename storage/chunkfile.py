@@ -402,6 +402,12 @@ def _checked_size(path: Path, expected_hash: ChunkHash, expected_bytes: int | No
         size = path.stat().st_size
     except FileNotFoundError:
         raise MissingChunkError(expected_hash, f"file {path} is missing") from None
+    return _check_size(size, expected_hash, expected_bytes)
+
+
+def _check_size(size: int, expected_hash: ChunkHash, expected_bytes: int | None) -> int:
+    """``size`` (a chunk file's), checked against the index's ``expected_bytes``
+    (None: not known); raises CorruptChunkError where they differ."""
     if expected_bytes is not None and size != expected_bytes:
         raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
     return size
@@ -494,13 +500,13 @@ def read_chunk_file(
         MissingChunkError: no file.
         CorruptChunkError: any other check failed (the caller quarantines).
     """
+    import torch
+
     _checked_size(path, expected_hash, expected_bytes)
     try:
         md, tensors = map_safetensors(path)
     except (OSError, ValueError) as e:
         raise CorruptChunkError(expected_hash, f"not a readable safetensors file ({e})") from e
-    import torch
-
     ids_t = tensors.pop(TOKEN_IDS_KEY, None)
     ids = ids_t.tolist() if ids_t is not None and ids_t.dtype == torch.int32 and ids_t.dim() == 1 else None
     token_ids, parent = _checked_identity(md, ids, expected_hash, fingerprint, verify)
@@ -823,9 +829,7 @@ def open_chunk_file(
     except OSError as e:
         raise CorruptChunkError(expected_hash, f"cannot open the file ({e.strerror or e})") from e
     try:
-        size = os.fstat(fd).st_size
-        if expected_bytes is not None and size != expected_bytes:
-            raise CorruptChunkError(expected_hash, f"size is {size} bytes, the index says {expected_bytes}")
+        size = _check_size(os.fstat(fd).st_size, expected_hash, expected_bytes)
         head = os.pread(fd, OPEN_READ_BYTES, 0)  # the header, and the token ids where they come first
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
         if len(head) < 8 + n <= size:
