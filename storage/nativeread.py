@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: ``0`` keeps chunk reads in Python (:func:`reader` returns None).
 NATIVE_ENV = "CHATKV_NATIVE_READ"
 
-#: What :func:`chatkv_read_pieces` returns when the file ends before the pieces do.
+#: What the C function returns when the file ends before the pieces do.
 _SHORT_READ = -(1 << 40)
 
 #: Element types a converted piece may hold in the file (:class:`Convert`), by
@@ -351,8 +351,8 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
    from fd, -errno after a failed read or allocation (-EINVAL: stretches
    that do not hold the piece in whole rows), or -(1 << 40) when the file
    ends before the pieces do. */
-long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
-                             void *state, chatkv_update_fn update)
+static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
+                                    void *state, chatkv_update_fn update)
 {
     static const long long src_size2[] = {0, 2, 2, 4, 4, 8, 1};  /* twice each source type's bytes */
     static const long long dst_size[] = {0, 4, 2};
