@@ -25,7 +25,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NewType, Sequence as Seq
+from typing import Any, NewType, Sequence as Seq
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 #: When set (``CHATKV_CHECK_OWNER=1``, as the test suite does), a pool bound to an
 #: engine's loop (see :meth:`BlockPool.bind_owner`) asserts on every access that it
-#: runs on that loop's thread.
+#: runs on that loop's thread, and :meth:`BlockPool.commit` checks the hashes it
+#: is handed against its own.
 CHECK_OWNER = os.environ.get("CHATKV_CHECK_OWNER", "") == "1"
 
 #: Chained content hash of one full block: sha256(parent hash, namespace, token ids).
@@ -112,6 +113,22 @@ class FreeBlocks:
     def take(self, block: int) -> None:
         """Take the free ``block``."""
         self._set.remove(block)  # its heap entry is skipped when it surfaces
+
+    def take_run(self, first: int, most: int) -> int:
+        """Take the free blocks ``first``, ``first + 1``, ... up to ``most`` of
+        them, stopping before the first one not free; only if at least two are
+        free there. Returns how many were taken (0 or 2 to ``most``)."""
+        free = self._set
+        if free.issuperset(range(first, first + most)):  # (the common case, checked in C)
+            n = most
+        else:
+            n = 0
+            while n < most and first + n in free:
+                n += 1
+        if n < 2:
+            return 0
+        free.difference_update(range(first, first + n))  # their heap entries are skipped when they surface
+        return n
 
     def take_lowest(self) -> int:
         """Take the lowest-numbered free block (there must be one)."""
@@ -514,26 +531,65 @@ class BlockPool:
                 self.copy_block(last, fresh)
                 self._decref(last)
                 seq.block_table[-1] = fresh
-        while len(seq.block_table) * bs < start + num_new:
-            seq.block_table.append(self._allocate(seq.block_table[-1] if seq.block_table else None))
+        table = seq.block_table
+        while len(table) * bs < start + num_new:
+            if not self._take_run(table, -(-(start + num_new) // bs) - len(table)):
+                table.append(self._allocate(table[-1] if table else None))
         return self._slots(seq, start, num_new)
 
-    def commit(self, seq: Sequence, num_new: int) -> None:
+    def _take_run(self, table: list[int], most: int) -> int:
+        """Append to ``table`` the free blocks right after its last one, up to
+        ``most`` and at least two, in one step (a restore's hundred blocks, not
+        a step each); what :meth:`_allocate` would take one by one. Returns
+        how many (0: fewer than two are free there)."""
+        if not table or most < 2:
+            return 0
+        first = table[-1] + 1
+        n = self._free.take_run(first, min(most, self.num_blocks - first))
+        if n:
+            assert not any(self.ref_counts[first : first + n])
+            self.ref_counts[first : first + n] = [1] * n
+            table.extend(range(first, first + n))
+        return n
+
+    def commit(self, seq: Sequence, num_new: int, ahead: dict[int, BlockHash] | None = None) -> None:
         """Record that ``num_new`` tokens after ``seq.num_computed`` now have KV in
         their slots; blocks this fills get their content hash and, if ``seq`` is
-        exact, become shareable."""
+        exact, become shareable. ``ahead``: those hashes, by block index, as
+        :meth:`chain_hashes` computed them for ``seq``'s tokens off the loop
+        (a restore's, while its chunks are read); blocks it lacks are hashed here."""
         self._check()
         seq.num_computed += num_new
         assert seq.num_computed <= len(seq.token_ids)
-        self._hash_blocks(seq)
+        self._hash_blocks(seq, ahead)
 
-    def _hash_blocks(self, seq: Sequence) -> None:
-        """Hash ``seq``'s full computed blocks that have no hash yet (publishing them if exact)."""
+    def chain_hashes(self, parent: BlockHash | None, token_ids: Seq[int], first: int,
+                     shift: Shift | None = None) -> dict[int, BlockHash]:
+        """The content hashes of full blocks ``first``, ``first + 1``, ... of a
+        sequence with ``shift`` whose tokens from block ``first`` on are
+        ``token_ids`` (a partial last block is left out), block ``first - 1``'s
+        hash being ``parent``: what :meth:`commit` would compute for them, by
+        block index, for its ``ahead``. Reads nothing that changes (the
+        namespace, the block size): any thread may call it."""
+        bs = self.block_size
+        out: dict[int, BlockHash] = {}
+        for k in range(len(token_ids) // bs):
+            parent = out[first + k] = block_hash(parent, token_ids[k * bs : (k + 1) * bs],
+                                                 self._namespace(shift, first + k))
+        return out
+
+    def _hash_blocks(self, seq: Sequence, ahead: dict[int, BlockHash] | None = None) -> None:
+        """Hash ``seq``'s full computed blocks that have no hash yet (publishing
+        them if exact), taking those ``ahead`` holds from it."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[i - 1] if i else None
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self._namespace(seq.shift, i))
+            h = ahead.get(i) if ahead else None
+            if h is None:
+                h = block_hash(parent, chunk, self._namespace(seq.shift, i))
+            elif CHECK_OWNER:  # (the tests' mode) a hash from elsewhere is what this one would be
+                assert h == block_hash(parent, chunk, self._namespace(seq.shift, i)), f"block {i}: wrong hash ahead"
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if seq.exact and h not in self.hash_to_block:
@@ -604,15 +660,17 @@ class BlockPool:
         flat = self.kv.view(L, two, nb * bs, h, d)
         return [(at, flat[:, :, slot : slot + length]) for at, slot, length in slot_runs(slots)]
 
-    def slot_planes(self, slots: Seq[int]) -> "tuple[memoryview, list[int], list[tuple[int, int]]] | None":
-        """Where reserved ``slots`` (see :meth:`reserve`) lie in the pool's
-        bytes, for a reader that fills them straight from a file: ``(the
-        pool's bytes as one writable view, the offset in it of each layer's K
+    def slot_planes(self, seq: Sequence, start: int, count: int,
+                    ) -> "tuple[memoryview, Any, list[tuple[int, int]]] | None":
+        """Where the slots of ``seq``'s tokens ``start .. start + count - 1``
+        (reserved, see :meth:`reserve`) lie in the pool's bytes, for a reader
+        that fills them straight from a file: ``(the pool's bytes as one
+        writable view, an int64 array of the offset in it of each layer's K
         plane and V plane in turn, the byte range (start, end) within a plane
         of each run of consecutive slots, in order)``. The runs of each plane
-        in turn, layer by layer, receive a ``[num_layers, 2, len(slots),
-        kv_heads, head_dim]`` tensor's bytes in C order. None where the pool
-        is not in host memory."""
+        in turn, layer by layer, receive a ``[num_layers, 2, count, kv_heads,
+        head_dim]`` tensor's bytes in C order. None where the pool is not in
+        host memory."""
         self._check()
         if self.kv.device.type != "cpu":
             return None
@@ -622,8 +680,29 @@ class BlockPool:
             self._bytes = self.kv.view(-1).view(torch.uint8).numpy().data.cast("B")
         row = h * d * self.kv.element_size()
         plane = nb * bs * row  # one layer's K (or V)
-        runs = [(slot * row, (slot + length) * row) for _, slot, length in slot_runs(slots)]
-        return self._bytes, list(range(0, L * two * plane, plane)), runs
+        runs = [(slot * row, (slot + length) * row) for slot, length in self._block_runs(seq, start, count)]
+        return self._bytes, np.arange(0, L * two * plane, plane, dtype=np.int64), runs
+
+    def _block_runs(self, seq: Sequence, start: int, count: int) -> list[tuple[int, int]]:
+        """``(first slot, length)`` of each run of consecutive slots of ``seq``'s
+        tokens ``start .. start + count - 1``, in order: ``slot_runs`` of
+        :meth:`_slots`, found from the runs of consecutive blocks (its blocks
+        must hold them)."""
+        if count <= 0:
+            return []
+        bs, end = self.block_size, start + count
+        b0, b1 = start // bs, (end - 1) // bs
+        blocks = seq.block_table[b0 : b1 + 1]
+        if len(blocks) > 16:  # a restore's hundred blocks: the breaks found by numpy
+            breaks = (np.flatnonzero(np.diff(np.asarray(blocks, dtype=np.int64)) != 1) + 1).tolist()
+        else:
+            breaks = [i for i in range(1, len(blocks)) if blocks[i] != blocks[i - 1] + 1]
+        edges = [0, *breaks, len(blocks)]
+        runs = [(blocks[i] * bs, (j - i) * bs) for i, j in zip(edges, edges[1:])]
+        head, tail = start - b0 * bs, (b1 + 1) * bs - end  # the first and last blocks' tokens outside
+        runs[0] = (runs[0][0] + head, runs[0][1] - head)
+        runs[-1] = (runs[-1][0], runs[-1][1] - tail)
+        return runs
 
     def read_tokens(self, seq: Sequence, start: int, count: int) -> torch.Tensor:
         """A copy of the K/V of computed tokens ``start .. start + count - 1`` of ``seq``,

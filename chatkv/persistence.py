@@ -60,6 +60,7 @@ from chatkv.storage import (
 if TYPE_CHECKING:
     import torch
 
+    from chatkv.block_pool import BlockHash
     from chatkv.engine import Engine
     from chatkv.tiers import TieredKV
 
@@ -473,23 +474,25 @@ class KVPersister:
             if off > start and pool.blocks_needed(seq, off - start) <= pool.num_available:
                 end = off
         slots = pool.reserve(seq, cached_ids[start:end]) if end > start else []
-        planes = pool.slot_planes(slots)
+        planes = pool.slot_planes(seq, start, end - start)
         if planes is not None:
-            memory, starts, runs = planes
-            planes = _Planes(memory, np.asarray(starts, dtype=np.int64), runs)
-        return _RestorePlan(start, end, slots, planes)
+            planes = _Planes(*planes)
+        return _RestorePlan(start, end, slots, planes, seq.block_hashes[-1] if seq.block_hashes else None)
 
-    def _finish(self, kv: "TieredKV", plan: "_RestorePlan", exact_until: int, good: int) -> None:
+    def _finish(self, kv: "TieredKV", plan: "_RestorePlan", exact_until: int, good: int,
+                ahead: "dict[int, BlockHash] | None" = None) -> None:
         """On the loop: commit the reserved tokens that were filled and verified
         (up to ``good``; KV past ``exact_until`` came from a lossy format and
-        marks the sequence inexact), give back the rest of the reservation, and
-        tell the tier policy the session is back."""
+        marks the sequence inexact; ``ahead``: their blocks' hashes, computed
+        while the chunks were read, see :meth:`BlockPool.chain_hashes`), give
+        back the rest of the reservation, and tell the tier policy the session
+        is back."""
         pool, seq = self.engine.pool, kv.seq
         exact = max(plan.start, min(exact_until, good))
-        pool.commit(seq, exact - plan.start)
+        pool.commit(seq, exact - plan.start, ahead)
         if good > exact:
             seq.exact = False
-            pool.commit(seq, good - exact)
+            pool.commit(seq, good - exact, ahead)
         if len(seq.token_ids) > seq.num_computed:
             pool.truncate(seq, seq.num_computed)
         self.engine.tiers.restored(kv)
@@ -600,6 +603,7 @@ class KVPersister:
         off = 0
         failure: CorruptChunkError | None = None
         unread = False  # chunks left on disk for want of room in the pool (still valid there)
+        ahead: dict[int, BlockHash] | None = None  # the reserved blocks' hashes, for the commit
         readers = _restore_readers()
         submitted: list[Future] = []  # all waited for before the restore ends, whatever happens
         try:
@@ -632,6 +636,11 @@ class KVPersister:
                 pending.append(_ChunkRead(done, chunk, base, n, off + n, skip, plan.slots[lo:hi]))
                 off += n
                 settle(keep=RESTORE_AHEAD - 1)
+            # While the last chunks are read (the readers mostly in C, without the
+            # GIL): the hashes the loop's commit would otherwise compute after them.
+            bs = engine.pool.block_size
+            ahead = engine.pool.chain_hashes(plan.parent, stored.token_ids[plan.start: plan.end // bs * bs],
+                                             plan.start // bs, shift)
         except CorruptChunkError as exc:
             failure = exc
         finally:
@@ -641,7 +650,7 @@ class KVPersister:
                 failure = failure or exc
             finally:
                 wait_all(submitted)  # no reader still writes into slots _finish may give back
-                engine.call(lambda: self._finish(kv, plan, exact_until, good), "finish restore")
+                engine.call(lambda: self._finish(kv, plan, exact_until, good, ahead), "finish restore")
         if failure is not None:
             info.warning = f"session {kv.session_id!r}: {failure}; re-prefilling from that point"
             kv.lost = (f"stored KV chunk {failure.chunk_hash[:12]} is missing"
@@ -805,12 +814,14 @@ class _RestorePlan:
             boundary, the whole stored KV unless the pool is short.
         slots: the slots of tokens ``start .. end - 1``.
         planes: where they lie in the pool's memory (:meth:`BlockPool.slot_planes`), on a host pool.
+        parent: the hash of the block before the first reserved one (None at the start).
     """
 
     start: int
     end: int
     slots: list[int]
     planes: "_Planes | None"
+    parent: "BlockHash | None" = None
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ def test_reserved_slots_are_filled_then_committed_or_given_back():
     kv = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1, 1).expand(2, 2, 6, 2, 4).contiguous()
     pool.fill(slots[:3], kv[:, :, :3])
     # the same bytes through the pool's bytes where a file reader puts them
-    planes = pool.slot_planes(slots[3:])
+    planes = pool.slot_planes(seq, 8, 3)  # slots[3:]
     assert planes is not None
     memory, starts, runs = planes
     assert len(starts) == 2 * 2
@@ -251,8 +251,81 @@ def test_reserved_slots_follow_scattered_blocks_from_a_partial_one():
     bs = pool.block_size
     assert slots == [a.block_table[p // bs] * bs + p % bs for p in range(start, start + 11)]
     assert len(set(slots)) == 11
+    row = 2 * 4 * 4  # kv_heads * head_dim * float32
+    for first in range(a.num_computed + 11):  # the planes' runs, found a block at a time
+        for count in range(a.num_computed + 11 - first + 1):
+            want = [(s * row, (s + n) * row) for _, s, n in slot_runs(pool._slots(a, first, count))]
+            assert pool.slot_planes(a, first, count)[2] == want, (first, count)
     pool.release(a)
     pool.release(b)
+
+
+def test_runs_of_free_blocks_are_taken_as_one_at_a_time_would_take_them():
+    """A long write takes the free blocks after its last one as a run, then,
+    where the run breaks, the next free or the lowest free block: the same
+    blocks, in the same order, as taking them one by one."""
+    rng = random.Random(3)
+    for case in range(200):
+        pool, ref = make_pool(num_blocks=40), make_pool(num_blocks=40)
+        taken = rng.sample(range(40), rng.randrange(0, 20))
+        holders = []
+        for p in (pool, ref):  # the same scattered blocks held in both
+            h = Sequence()
+            for block in taken:
+                p._free.take(block)
+                p.ref_counts[block] = 1
+                h.block_table.append(block)
+            holders.append(h)
+        seq, seq_ref = Sequence(), Sequence()
+        n = rng.randrange(1, 4 * (40 - len(taken)) + 1)
+        seq.token_ids = list(range(n))
+        slots = pool.prepare_write(seq, n)
+        bs = ref.block_size
+        while len(seq_ref.block_table) * bs < n:  # the block-by-block reference
+            seq_ref.block_table.append(ref._allocate(seq_ref.block_table[-1] if seq_ref.block_table else None))
+        assert seq.block_table == seq_ref.block_table, case
+        assert slots == [seq.block_table[t // bs] * bs + t % bs for t in range(n)]
+        assert all(pool.ref_counts[b] == 1 for b in seq.block_table) and len(pool._free) == len(ref._free)
+        seq.token_ids = []
+        for b in seq.block_table:
+            pool._decref(b)
+        assert len(pool._free) == 40 - len(taken)
+
+
+@pytest.mark.parametrize("shift_at", [None, 0, 6])
+def test_hashes_computed_ahead_are_the_ones_commit_computes(shift_at):
+    """A restore hashes its blocks while it reads them (chain_hashes, off the
+    loop) and hands them to commit: the same hashes, published the same way,
+    as commit computes itself, shifted namespaces included."""
+    from chatkv.sequence import Shift
+
+    shift = None if shift_at is None else Shift(sink=shift_at * 4, dropped=5, key=b"dropped")
+    tokens = list(range(500, 530))
+    own, given = make_pool(num_blocks=16), make_pool(num_blocks=16)
+    a, b = Sequence(), Sequence()
+    a.shift = b.shift = shift
+    for pool, seq in ((own, a), (given, b)):
+        fill(pool, seq, tokens[:8])
+    ahead = given.chain_hashes(b.block_hashes[-1], tokens[8:], 2, shift)
+    assert sorted(ahead) == list(range(2, 7))  # full blocks only
+    own.reserve(a, tokens[8:])
+    given.reserve(b, tokens[8:])
+    own.commit(a, 13)
+    given.commit(b, 13, ahead)
+    assert a.block_hashes == b.block_hashes and len(b.block_hashes) == 5
+    own.commit(a, 9)
+    given.commit(b, 9, ahead)
+    assert a.block_hashes == b.block_hashes and len(b.block_hashes) == 7
+    assert b.block_hashes[2:] == list(ahead.values())
+    assert set(own.hash_to_block) == set(given.hash_to_block)
+    wrong = dict(ahead)
+    wrong[3] = ahead[4]
+    c = Sequence()
+    c.shift = shift
+    fill(given, c, tokens[:8])
+    given.reserve(c, tokens[8:])
+    with pytest.raises(AssertionError, match="wrong hash"):  # the tests' checking mode compares
+        given.commit(c, 16, wrong)
 
 
 def test_commit_pages_writes_only_free_blocks():
