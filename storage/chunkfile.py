@@ -653,18 +653,13 @@ class ChunkReader:
                 bufs = [memoryview(arrays[name]).cast("B")] if nbytes else []
             views[name] = bufs
         if converted:  # only the native reads convert
-            # Before the tensors they scale, in as few reads as they lie in (K's and V's
-            # are neighbours in the file); hashed from memory in their turn.
-            ordered = sorted(scales, key=lambda name: self._spans[name][0])
-            while ordered:
-                run = [ordered.pop(0)]
-                while ordered and self._spans[ordered[0]][0] == sum(self._spans[run[-1]]):
-                    run.append(ordered.pop(0))
-                _preadv_all(self._fd, [v for name in run for v in views[name]], self._spans[run[0]][0], self.hash)
+            # The scales and offsets read first, by the same native call (not hashed
+            # then), before the tensors they scale; hashed from memory in their turn.
+            first = [(v, self._spans[name][0], None) for name in scales for v in views[name]]
             plans = {name: (bufs, self._scaled(convert, converted[name], arrays))
                      for name, (bufs, convert) in plans.items()}
             plan = self._checksum_plan(views, plans, scales)
-            hexdigest = self._read_native(nativeread.reader(), plan)  # type: ignore[arg-type]
+            hexdigest = self._read_native(nativeread.reader(), plan, first)  # type: ignore[arg-type]
             if verify:
                 _check_hexdigest(self.metadata, hexdigest, self.hash)
             return fresh
@@ -777,11 +772,14 @@ class ChunkReader:
         return plan
 
     def _read_native(self, native: nativeread.NativeReads,
-                     plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]]) -> str:
+                     plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]],
+                     first: Sequence[tuple[Any, int, None]] = ()) -> str:
         """:meth:`read_into`'s reads and payload checksum through ``native``
-        (:mod:`.nativeread`): ``plan`` (:meth:`_checksum_plan`) as pieces, in
-        one call. Returns the hex digest. Raises CorruptChunkError at an early end."""
-        pieces: list[tuple[Any, ...]] = []
+        (:mod:`.nativeread`): ``first`` (``(buffer, offset, None)`` pieces,
+        read and not hashed), then ``plan`` (:meth:`_checksum_plan`) as
+        pieces, in one call. Returns the hex digest. Raises CorruptChunkError
+        at an early end."""
+        pieces: list[tuple[Any, ...]] = list(first)
         for header, bufs, offset, convert in plan:
             pieces.append((header, -1))
             first = 0

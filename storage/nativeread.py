@@ -223,7 +223,7 @@ struct chatkv_piece {
     long long addr;   /* where its bytes go, or (off < 0) are */
     long long len;    /* bytes in the file (or hashed) */
     long long off;    /* offset in the file; < 0: only hash len bytes at addr */
-    long long conv;   /* 0: read as is; else 16 * source type + destination type */
+    long long conv;   /* 0: read as is; -1: read as is, not hashed; else 16 * source type + destination type */
     long long row;    /* elements per row, when converted */
     long long scale;  /* address of the scales (float32; float16 for int4), or 0 */
     long long zero;   /* int4: address of the offsets (float16) */
@@ -343,7 +343,8 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
 }
 
 /* For each of the n pieces in order: where off < 0, feed the len bytes at
-   addr to the hash; else read len bytes from fd at offset off, at most slice
+   addr to the hash; where conv < 0, read len bytes from fd at offset off into
+   addr, not hashed; else read len bytes from fd at offset off, at most slice
    bytes per pread, feeding each slice to the hash as soon as it lands: where
    conv is 0, into addr (or its stretches); else into a staging buffer, from
    which the slice's whole rows are converted into addr (or its stretches; see
@@ -367,6 +368,12 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
         long long stretch = 0, room = q->spans ? 0 : LLONG_MAX;  /* bytes left where p points */
         if (at < 0) {
             update(state, p, (size_t)left);
+            continue;
+        }
+        if (q->conv < 0) {  /* read whole, not hashed (a later piece hashes it from memory) */
+            status = chatkv_fill(fd, p, (size_t)left, at);
+            if (status == 0)
+                total += left;
             continue;
         }
         if (q->conv == 0) {  /* straight into place, a slice at a time */
@@ -603,7 +610,11 @@ class NativeReads:
         ``convert`` describes: each slice of whole rows is read into memory
         of the call's own, hashed there, and converted into ``buffer``.
         In either form the buffer may be :class:`Spans` (filled stretch by
-        stretch, the same as a piece per stretch; never only hashed).
+        stretch, the same as a piece per stretch; never only hashed). A
+        ``(buffer, offset, None)`` piece (a plain buffer) is filled from
+        ``fd`` and not hashed: a later piece that only hashes it does, in its
+        turn (what a conversion's scales need: read before its codes, hashed
+        after them).
         Returns xxh3-128's hex digest of all the bytes read or hashed, in
         order, as ``xxhash.xxh3_128().hexdigest()`` gives.
 
@@ -631,6 +642,13 @@ class NativeReads:
             return conversion
 
         for buf, offset, *more in pieces:
+            if more == [None]:  # read, not hashed
+                if offset < 0 or isinstance(buf, Spans):
+                    raise ValueError("a piece read and not hashed needs an offset and a plain buffer")
+                address, size = self._address(buf, pinned, filled=True)
+                if size:
+                    fields += (address, size, offset, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                continue
             if isinstance(buf, Spans):
                 if offset < 0:
                     raise ValueError("spans are read into, not only hashed")
@@ -965,13 +983,17 @@ def _self_test(reads: NativeReads) -> str | None:
         pieces += [(t, 13 + a) for t, a in zip(targets, cuts)]
         pieces.append((b"tail", -1))
         digest = reads.read_hashed(f.fileno(), pieces, 100_000)
+        early = bytearray(1000)  # read first, not hashed, then hashed from memory after another piece
+        later = reads.read_hashed(f.fileno(), [(early, 13 + 5, None), (b"between", -1), (early, -1)], 100_000)
         try:
             reads.read_hashed(f.fileno(), [(bytearray(10), 13 + 300_000)], 100_000)
             return "a read past the end of the probe file was not reported"
         except EOFError:
             pass
-    if b"".join(targets) != payload:
+    if b"".join(targets) != payload or bytes(early) != payload[5:1005]:
         return "the probe file's bytes read differently"
+    if later != xxhash.xxh3_128(b"between" + payload[5:1005]).hexdigest():
+        return "a piece read and not hashed changed the digest"
     expected = xxhash.xxh3_128(header + payload + b"tail").hexdigest()
     if digest != expected:
         return f"digest {digest} where xxhash gives {expected}"

@@ -57,6 +57,32 @@ def test_pieces_land_and_hash_as_xxhash_does(reads: nativeread.NativeReads, tmp_
     assert digest == xxhash.xxh3_128(b"head" + data[30_000:] + b"read-only" + data[:30_000] + b"writable").hexdigest()
 
 
+def test_pieces_read_first_and_hashed_later_count_once_in_their_turn(reads: nativeread.NativeReads,
+                                                                    tmp_path: Path) -> None:
+    """A (buffer, offset, None) piece is filled and left out of the digest; a
+    later piece that only hashes that buffer puts its bytes in, in its turn
+    (a conversion's scales: read before the codes, hashed after them). An
+    offset or a Spans such a piece cannot use is refused before anything is read."""
+    import numpy as np
+
+    data = os.urandom(50_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    early, rest = bytearray(12_345), bytearray(20_000)
+    with open(path, "rb") as f:
+        digest = reads.read_hashed(f.fileno(), [(early, 30_000, None), (rest, 0), (early, -1), (b"end", -1)], 4096)
+        assert bytes(early) == data[30_000:42_345] and bytes(rest) == data[:20_000]
+        assert digest == xxhash.xxh3_128(data[:20_000] + data[30_000:42_345] + b"end").hexdigest()
+        untouched = bytearray(10)
+        spans = nativeread.Spans(untouched, np.array([0], dtype=np.int64), np.array([10], dtype=np.int64))
+        for bad in ((bytearray(8), -1, None), (spans, 0, None)):
+            with pytest.raises(ValueError, match="read and not hashed"):
+                reads.read_hashed(f.fileno(), [(untouched, 0), bad], 4096)
+        assert untouched == bytearray(10)
+        with pytest.raises(EOFError):
+            reads.read_hashed(f.fileno(), [(bytearray(10), 49_995, None)], 4096)
+
+
 @pytest.mark.parametrize("slice_bytes", [1, 700, 4096, 1 << 20])
 def test_spans_are_filled_stretch_by_stretch_from_one_run_of_the_file(reads: nativeread.NativeReads,
                                                                       tmp_path: Path, slice_bytes: int) -> None:
