@@ -346,6 +346,34 @@ def test_converted_spans_convert_as_buffers_do(store: Store, chunk_reads) -> Non
         source.read_into({}, converted={"codes": Converted(partial, torch.bfloat16, 8, "scale")})
 
 
+def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
+    """Each chunk's file is closed once it is read (the native read closes it
+    itself), refused before reading, or found corrupt."""
+    import os
+
+    ids = list(range(60))
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP,
+                  chunks=[NewChunk(20, {"kv": torch.randn(2, 3, 20)}, META) for _ in range(3)])
+    before = set(os.listdir("/proc/self/fd"))
+    _read_into_buffers(store, "s")
+    for source in store.open_kv("s"):
+        with pytest.raises(ValueError):
+            source.read_into({"kv": [bytearray(8)]})
+    sources = list(store.open_kv("s"))
+    path = store.path_of(sources[1].info)
+    data = bytearray(Path(path).read_bytes())
+    data[sources[1]._reader._spans["kv"][0] + 5] ^= 0xFF  # a byte of its KV: the checksum fails
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError):
+        for source in sources:
+            dtype, shape = source.shapes["kv"]
+            source.read_into({"kv": [torch.empty(shape, dtype=dtype).view(-1).view(torch.uint8).numpy().data]})
+    for source in sources:
+        source.close()
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
 def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store, chunk_reads) -> None:
     ids = list(range(20))
     extra = {"kv": torch.randn(2, 3), "scale": torch.rand(5)}
