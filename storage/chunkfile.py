@@ -655,11 +655,11 @@ class ChunkReader:
         if converted:  # only the native reads convert
             # The scales and offsets read first, by the same native call (not hashed
             # then), before the tensors they scale; hashed from memory in their turn.
-            first = [(v, self._spans[name][0], None) for name in scales for v in views[name]]
+            unhashed = [(v, self._spans[name][0], None) for name in scales for v in views[name]]
             plans = {name: (bufs, self._scaled(convert, converted[name], arrays))
                      for name, (bufs, convert) in plans.items()}
             plan = self._checksum_plan(views, plans, scales)
-            hexdigest = self._read_native(nativeread.reader(), plan, first)  # type: ignore[arg-type]
+            hexdigest = self._read_native(nativeread.reader(), plan, unhashed)  # type: ignore[arg-type]
             if verify:
                 _check_hexdigest(self.metadata, hexdigest, self.hash)
             return fresh
@@ -773,13 +773,13 @@ class ChunkReader:
 
     def _read_native(self, native: nativeread.NativeReads,
                      plan: list[tuple[bytes, Sequence[Any], int | None, nativeread.Convert | None]],
-                     first: Sequence[tuple[Any, int, None]] = ()) -> str:
+                     unhashed: Sequence[tuple[Any, int, None]] = ()) -> str:
         """:meth:`read_into`'s reads and payload checksum through ``native``
-        (:mod:`.nativeread`): ``first`` (``(buffer, offset, None)`` pieces,
-        read and not hashed), then ``plan`` (:meth:`_checksum_plan`) as
-        pieces, in one call. Returns the hex digest. Raises CorruptChunkError
-        at an early end."""
-        pieces: list[tuple[Any, ...]] = list(first)
+        (:mod:`.nativeread`): ``unhashed`` (``(buffer, offset, None)``
+        pieces, read and not hashed), then ``plan`` (:meth:`_checksum_plan`)
+        as pieces, in one call. Returns the hex digest. Raises
+        CorruptChunkError at an early end."""
+        pieces: list[tuple[Any, ...]] = list(unhashed)
         for header, bufs, offset, convert in plan:
             pieces.append((header, -1))
             first = 0

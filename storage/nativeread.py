@@ -623,8 +623,9 @@ class NativeReads:
             OSError: a read failed.
             TypeError: a piece to be filled is read-only (nothing was read).
             ValueError: a piece is not C-contiguous, a span lies outside its
-                buffer, or a conversion does not fit its piece (unknown types,
-                not whole rows, too few scales or offsets); nothing was read.
+                buffer, a conversion does not fit its piece (unknown types,
+                not whole rows, too few scales or offsets), or a piece read
+                and not hashed has no offset or is Spans; nothing was read.
         """
         fields: list[int] = []  # the struct chatkv_piece array, field by field
         pinned: list[Any] = []  # the buffers' exports (and the Spans' arrays), alive until the call returns
