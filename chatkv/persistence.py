@@ -639,8 +639,9 @@ class KVPersister:
             # While the last chunks are read (the readers mostly in C, without the
             # GIL): the hashes the loop's commit would otherwise compute after them.
             bs = engine.pool.block_size
-            ahead = engine.pool.chain_hashes(plan.parent, stored.token_ids[plan.start: plan.end // bs * bs],
-                                             plan.start // bs, shift)
+            if plan.start % bs == 0:  # (a shared prefix is whole blocks: the chain goes on from its last)
+                ahead = engine.pool.chain_hashes(plan.parent, stored.token_ids[plan.start: plan.end // bs * bs],
+                                                 plan.start // bs, shift)
         except CorruptChunkError as exc:
             failure = exc
         finally:
