@@ -347,8 +347,8 @@ def test_converted_spans_convert_as_buffers_do(store: Store, chunk_reads) -> Non
 
 
 def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
-    """Each chunk's file is closed once it is read (the native read closes it
-    itself), refused before reading, or found corrupt."""
+    """Each chunk's file is closed once it is read, refused before reading,
+    or found corrupt."""
     import os
 
     ids = list(range(60))
