@@ -686,19 +686,13 @@ class BlockPool:
     def _block_runs(self, seq: Sequence, start: int, count: int) -> list[tuple[int, int]]:
         """``(first slot, length)`` of each run of consecutive slots of ``seq``'s
         tokens ``start .. start + count - 1``, in order: ``slot_runs`` of
-        :meth:`_slots`, found from the runs of consecutive blocks (its blocks
-        must hold them)."""
+        :meth:`_slots`, found from the runs of consecutive blocks (``slot_runs``
+        of the blocks; its blocks must hold them)."""
         if count <= 0:
             return []
         bs, end = self.block_size, start + count
         b0, b1 = start // bs, (end - 1) // bs
-        blocks = seq.block_table[b0 : b1 + 1]
-        if len(blocks) > 16:  # a restore's hundred blocks: the breaks found by numpy
-            breaks = (np.flatnonzero(np.diff(np.asarray(blocks, dtype=np.int64)) != 1) + 1).tolist()
-        else:
-            breaks = [i for i in range(1, len(blocks)) if blocks[i] != blocks[i - 1] + 1]
-        edges = [0, *breaks, len(blocks)]
-        runs = [(blocks[i] * bs, (j - i) * bs) for i, j in zip(edges, edges[1:])]
+        runs = [(block * bs, length * bs) for _, block, length in slot_runs(seq.block_table[b0 : b1 + 1])]
         head, tail = start - b0 * bs, (b1 + 1) * bs - end  # the first and last blocks' tokens outside
         runs[0] = (runs[0][0] + head, runs[0][1] - head)
         runs[-1] = (runs[-1][0], runs[-1][1] - tail)
