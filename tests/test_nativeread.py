@@ -281,3 +281,66 @@ def test_a_new_build_falls_back_without_per_cpu_code_and_removes_stale_libraries
     assert nativeread._self_test(reads) is None
     os.utime(library, (1, 1))
     assert nativeread._build([str(picky)]) == library and os.path.getmtime(library) > 1
+
+
+def test_conversions_into_bfloat16_give_the_portable_codes_bits(reads: nativeread.NativeReads,
+                                                                 tmp_path: Path, monkeypatch) -> None:
+    """Every conversion into bfloat16 gives, bit for bit, what the same
+    library built without per-CPU code gives (plain C, one element at a
+    time): on a CPU with AVX-512 BF16 the code that rounds 32 at a time with
+    its instruction, whose NaNs and float32 subnormals differ from
+    chatkv's and are converted one by one instead. Random bit patterns of
+    every source type (NaNs, infinities and subnormals among them), scales
+    that make products subnormal, infinite or NaN, rows of 32 and more with
+    a rest, and int4 codes per block and per group."""
+    import numpy as np
+
+    compiler = nativeread._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    portable_cc = tmp_path / "portable-cc"
+    portable_cc.write_text("#!/bin/sh\nexec " + " ".join(compiler) + " -DCHATKV_NO_CLONES \"$@\"\n")
+    portable_cc.chmod(0o755)
+    monkeypatch.setattr(nativeread, "_cache_dir", lambda: tmp_path)
+    import xxhash._xxhash as extension
+
+    portable = nativeread.NativeReads(nativeread._build([str(portable_cc)]), extension.__file__)
+    rng = np.random.default_rng(3)
+
+    def both(data: np.ndarray, convert: nativeread.Convert, elements: int) -> None:
+        path = tmp_path / "codes"
+        path.write_bytes(data.tobytes())
+        outs = []
+        for library in (reads, portable):
+            out = np.zeros(elements, dtype=np.uint16)
+            with open(path, "rb") as f:
+                digest = library.read_hashed(f.fileno(), [(out, 0, convert, 0)], 1 << 14)
+            outs.append((out, digest))
+        (fast, fast_digest), (plain, plain_digest) = outs
+        assert fast_digest == plain_digest
+        differ = np.nonzero(fast != plain)[0]
+        assert differ.size == 0, (convert.source, convert.row, differ[:4], fast[differ[:4]], plain[differ[:4]])
+
+    sizes = {"int8": 1, "float8_e4m3fn": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+    for source, size in sizes.items():
+        for row in (32, 64, 96, 37):
+            rows = 129
+            data = rng.integers(0, 256, rows * row * size, dtype=np.uint8)
+            if source == "float32":  # mostly numbers, as a float32 tail holds
+                numbers = rng.standard_normal(rows * row).astype(np.float32).view(np.uint8)
+                keep = rng.random(numbers.size) < 0.8
+                data[keep] = numbers[keep]
+            scales = rng.random(rows).astype(np.float32) * 0.05
+            scales[::7], scales[::11], scales[::13], scales[::17], scales[::19] = 1e-40, 0, np.inf, np.nan, 3e38
+            for scaled in (True, False) if source in ("int8", "float8_e4m3fn") else (False,):
+                both(data, nativeread.Convert(source, "bfloat16", row, scales if scaled else None), rows * row)
+    for row, options in ((192, {"block": 16}), (64, {"block": 16}), (192, {"group": 32}), (192, {"group": 64}),
+                         (64, {"group": 16}), (40, {"group": 8})):
+        rows = 64
+        count = rows // options["block"] * row if "block" in options else rows * row // options["group"]
+        scale = rng.standard_normal(count).astype(np.float16)
+        zero = rng.standard_normal(count).astype(np.float16)
+        scale.view(np.uint16)[::9] = rng.integers(0, 1 << 16, scale[::9].size, dtype=np.uint16)  # any bits
+        zero.view(np.uint16)[::10] = rng.integers(0, 1 << 16, zero[::10].size, dtype=np.uint16)
+        data = rng.integers(0, 256, rows * row // 2, dtype=np.uint8)
+        both(data, nativeread.Convert("uint4x2", "bfloat16", row, scale, zero, **options), rows * row)
