@@ -40,7 +40,7 @@ reads as zero, where chatkv gives 0x7fc0, or rounds it) converted one by one
 as elsewhere; the same bits (the tests compare the two builds). A 256-token
 SmolLM2 chunk's native call into memory not in the CPU's cache took, one
 thread, 0.75x (int4), 0.89x (float16), 0.92x (fp8) and 0.94x (int8) the time
-without them (1.07, 1.43, 1.00 and 0.87 ms; an exact chunk's 1.07 ms).
+without them (1.07, 1.37, 1.00 and 0.87 ms; an exact chunk's 1.07 ms).
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
