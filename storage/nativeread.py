@@ -1222,20 +1222,22 @@ def _self_test_conversions(reads: NativeReads) -> str | None:
 def _self_test_int4(reads: NativeReads, rng: Any) -> str | None:
     """As :func:`_self_test_conversions`, for ``uint4x2`` codes: 6 rows of 64,
     parameters per element over blocks of 4 rows (the piece 3 rows into its
-    first block), then per group of 32 elements of each row (as CPUs with
-    AVX-512 BF16 convert them)."""
+    first block), then per group of 4 elements of each row, then of 32 (as
+    CPUs with AVX-512 BF16 convert them)."""
     row, n = 64, 6
     data = bytes(rng.randrange(256) for _ in range(n * row // 2))
     codes = [(b >> shift) & 15 for b in data for shift in (0, 4)]
     half = [struct.unpack("<e", struct.pack("<e", rng.uniform(-2, 2)))[0] for _ in range(6 * row)]
     half_bytes = struct.pack(f"<{len(half)}e", *half)
-    for layout, where in (("block", lambda r, j: ((3 + r) // 4) * row + j), ("group", lambda r, j: r * 2 + j // 32)):
+    layouts = [("block", 4, lambda r, j: ((3 + r) // 4) * row + j)]
+    layouts += [("group", g, lambda r, j, g=g: r * (row // g) + j // g) for g in (4, 32)]
+    for layout, size, where in layouts:
         values = []
         for i, c in enumerate(codes):
             at = where(i // row, i % row)
             values.append(_f32(_f32(c * half[at]) + half[len(half) // 2 + at]))
         scale, zero = bytearray(half_bytes[: len(half_bytes) // 2]), bytearray(half_bytes[len(half_bytes) // 2:])
-        options, first = ({"block": 4}, 3) if layout == "block" else ({"group": 32}, 0)
+        options, first = ({"block": size}, 3) if layout == "block" else ({"group": size}, 0)
         for target, (_, target_size) in TARGET_TYPES.items():
             out = bytearray(n * row * target_size)
             with tempfile.TemporaryFile() as f:
@@ -1245,7 +1247,7 @@ def _self_test_int4(reads: NativeReads, rng: Any) -> str | None:
                                                 first)], 9)
             got = [int.from_bytes(out[i: i + target_size], "little") for i in range(0, len(out), target_size)]
             if got != [_f32_bits(v) if target == "float32" else _bf16_bits(v) for v in values]:
-                return f"uint4x2 codes per {layout} converted to {target} differ"
+                return f"uint4x2 codes per {layout} of {size} converted to {target} differ"
     return None
 
 
