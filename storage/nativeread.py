@@ -241,6 +241,16 @@ static inline int chatkv_has_bf16(void)
 #define SPECIAL32_E4M3(p) _mm256_cmpeq_epi8_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p)),  \
                                                                    _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f))
 
+/* lo and hi (32 products) rounded to bfloat16 into o, 1; or 0, o untouched,
+   where one is a NaN or a float32 subnormal (for the caller to convert one by one). */
+CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512 hi)
+{
+    if (_mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1))  /* QNaN, SNaN, subnormal */
+        return 0;
+    _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    return 1;
+}
+
 CHATKV_AVX512_BF16 static inline __m256i chatkv_e4m3_as_f16(__m128i c)
 {
     __m256i w = _mm256_cvtepu8_epi16(c);
@@ -268,12 +278,9 @@ CHATKV_AVX512_BF16 static inline __m256i chatkv_e4m3_as_f16(__m128i c)
                     lo = _mm512_mul_ps(lo, vs);                                                     \
                     hi = _mm512_mul_ps(hi, vs);                                                     \
                 }                                                                                   \
-                if (special32(a + i) | _mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1)) { \
+                if (special32(a + i) || !chatkv_put32(o + i, lo, hi))                              \
                     for (long long j = i; j < i + 32; j++)                                          \
                         o[j] = chatkv_bf16(load(a[j]) * s);                                         \
-                    continue;                                                                       \
-                }                                                                                   \
-                _mm512_storeu_si512((void *)(o + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));         \
             }                                                                                       \
             for (; i < row; i++)                                                                    \
                 o[i] = chatkv_bf16(load(a[i]) * s);                                                 \
@@ -424,12 +431,9 @@ CHATKV_AVX512_BF16 static void chatkv_fast_nibbles_bf16(const uint8_t *__restric
                                         _mm512_loadu_ps(zf + i));
         const __m512 hi = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_HI(w), _mm512_loadu_ps(sf + i + 16)),
                                         _mm512_loadu_ps(zf + i + 16));
-        if (_mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1)) {
+        if (!chatkv_put32(o + i, lo, hi))
             for (long long k = i; k < i + 32; k++)
                 o[k] = chatkv_bf16(CHATKV_NIBBLE(a, k) * sf[k] + zf[k]);
-            continue;
-        }
-        _mm512_storeu_si512((void *)(o + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
     for (long long k = 2 * j; k < 2 * half; k++)
         o[k] = chatkv_bf16(CHATKV_NIBBLE(a, k) * sf[k] + zf[k]);
@@ -454,12 +458,9 @@ CHATKV_AVX512_BF16 static void chatkv_fast_groups_bf16(const uint8_t *__restrict
             const __m512i w = chatkv_nibbles32(a + i / 2);
             const __m512 lo = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_LO(w), vs), vz);
             const __m512 hi = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_HI(w), vs), vz);
-            if (_mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1)) {
+            if (!chatkv_put32(o + i, lo, hi))
                 for (long long k = i; k < i + 32; k++)
                     o[k] = chatkv_bf16(CHATKV_NIBBLE(a, k) * s + z);
-                continue;
-            }
-            _mm512_storeu_si512((void *)(o + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
 }
