@@ -90,6 +90,24 @@ def pg_url(pg_cluster, request: pytest.FixtureRequest) -> str:
     pg_cluster.drop_database(name)
 
 
+@pytest.fixture(scope="session")
+def native_reads():
+    """The native chunk reads (``chatkv.storage.nativeread``), waiting for their
+    build. Skips where they cannot be had (no C compiler, say), unless
+    ``CHATKV_REQUIRE_NATIVE=1`` or ``CI`` is set: there a build or load-time
+    self-test that fails is a failure, not two hundred skipped tests."""
+    from chatkv.storage import nativeread
+
+    reads = nativeread.wait_prepared(120)
+    if reads is None:
+        why = f"native chunk reads unavailable here: {nativeread.unavailable_reason()}"
+        if os.environ.get("CHATKV_REQUIRE_NATIVE", "") not in ("", "0") \
+                or os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{why} (CHATKV_REQUIRE_NATIVE/CI is set, so they must be there)")
+        pytest.skip(why)
+    return reads
+
+
 def _has_default_model() -> bool:
     import importlib.util
 

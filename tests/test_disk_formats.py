@@ -186,7 +186,8 @@ def test_a_compact_restore_on_the_cpu_dequantizes_with_the_readers_idle(from_dis
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str, dtype: torch.dtype,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     native_reads) -> None:
     """With the native reads, the reader threads write a compact chunk
     straight into its slots, dequantized as it lands (the loop fills none of
     them): bit for bit what the loop's fill writes without them, for a
@@ -194,9 +195,7 @@ def test_a_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str
     shared tokens' codes read, checked and not written)."""
     from chatkv.storage import nativeread
 
-    reads = nativeread.wait_prepared(120)
-    if reads is None:
-        pytest.skip(f"native chunk reads unavailable here: {nativeread.unavailable_reason()}")
+    reads = native_reads
     for sid, first in (("a", "Hello there"), ("b", "Hello there, how are you today, my friend?")):
         chat = Chat(f"{scheme}-{sid}", system="You are terse.", engine=_engine(scheme, dtype=dtype),
                     max_new_tokens=8, chunk_tokens=16)

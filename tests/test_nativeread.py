@@ -32,11 +32,8 @@ def _as_spans(rows, pieces: list[tuple], row_bytes: int) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def reads() -> nativeread.NativeReads:
-    got = nativeread.wait_prepared(120)
-    if got is None:
-        pytest.skip(f"native chunk reads unavailable here: {nativeread.unavailable_reason()}")
-    return got
+def reads(native_reads) -> nativeread.NativeReads:
+    return native_reads
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 1 << 20])

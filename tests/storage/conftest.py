@@ -193,9 +193,7 @@ def chunk_reads(request, monkeypatch) -> ChunkReads:
     if request.param == "python":
         monkeypatch.setattr(nativeread, "reader", lambda: None)
         return mode
-    reads = nativeread.wait_prepared(120)
-    if reads is None:
-        pytest.skip(f"native chunk reads unavailable here: {nativeread.unavailable_reason()}")
+    reads = request.getfixturevalue("native_reads")  # (skips, or fails where they are required)
     real = reads.read_hashed
 
     def counted(*args, **kwargs):
