@@ -45,7 +45,7 @@ Float16 codes into bfloat16, of one size, are read there straight into
 place and converted where they landed, still in the core's cache: the one
 copy an exact read makes, not a copy into the call's memory and another out
 of it (two threads reading a session's eight 256-token chunks: 0.92x to
-0.98x the time, four runs).
+0.98x the time, three runs).
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
