@@ -685,7 +685,7 @@ class KVPersister:
         if into is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
             planes, shared, lo, hi = into
             if not shared:  # every plane's stretch as Spans: a few array operations, not a step per piece
-                source.read_into({KV_TENSOR: _spans(planes, lo, hi)})
+                source.read_into({KV_TENSOR: _spans(planes, lo, hi)[0]})
                 return None, False  # (only a chunk the loop writes needs to know)
             # A scratch piece per layer: the Python read path fills several pieces per
             # preadv before hashing them, so one piece used twice would lose bytes.
@@ -735,10 +735,10 @@ class KVPersister:
         edge = lo + full * row - shared  # where the chunk's tail starts in its reserved bytes
         converted = {}
         if not shared:  # as Spans (see _read_chunk)
-            for i, part in enumerate(parts):
-                converted[part.codes] = Converted(_spans(planes, lo, edge, first=i, every=2), dtype, part.row,
-                                                  part.scale, part.zero, part.block, part.group)
-            return {"tail": _spans(planes, edge, hi)}, converted
+            for part, spans in zip(parts, _spans(planes, lo, edge, every=2)):
+                converted[part.codes] = Converted(spans, dtype, part.row, part.scale, part.zero, part.block,
+                                                  part.group)
+            return {"tail": _spans(planes, edge, hi)[0]}, converted
         scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         for i, part in enumerate(parts):
             buffers = [piece for layer in range(L) for piece in [scratch, *_views(planes, 2 * layer + i, lo, edge)]]
@@ -862,10 +862,15 @@ def _views(planes: _Planes, plane: int, lo: int, hi: int) -> list[memoryview]:
     return [planes.memory[base + a: base + b] for a, b in _runs_cut(planes.runs, lo, hi)]
 
 
-def _spans(planes: _Planes, lo: int, hi: int, first: int = 0, every: int = 1) -> Spans:
+def _spans(planes: _Planes, lo: int, hi: int, every: int = 1) -> list[Spans]:
     """Bytes ``lo .. hi - 1`` of the runs of planes ``first``, ``first +
-    every``, ... in turn, as one :class:`~chatkv.storage.Spans`."""
-    cut = np.asarray(_runs_cut(planes.runs, lo, hi), dtype=np.int64).reshape(-1, 2)
-    bases = planes.starts[first::every]
-    return Spans(planes.memory, (bases[:, None] + cut[None, :, 0]).reshape(-1),
-                 np.tile(cut[:, 1] - cut[:, 0], len(bases)))
+    every``, ... in turn, as one :class:`~chatkv.storage.Spans`, for each
+    ``first`` below ``every`` (every plane's: ``every`` 1; K's and V's: 2),
+    the runs cut once for all."""
+    cut = np.array(_runs_cut(planes.runs, lo, hi), dtype=np.int64).reshape(-1, 2)
+    count = len(planes.starts) // every
+    sizes = np.empty((count, len(cut)), dtype=np.int64)
+    sizes[:] = cut[:, 1] - cut[:, 0]  # (np.tile took twice as long)
+    sizes = sizes.reshape(-1)
+    return [Spans(planes.memory, (planes.starts[first::every][:, None] + cut[:, 0]).reshape(-1), sizes)
+            for first in range(every)]

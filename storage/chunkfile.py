@@ -709,11 +709,11 @@ class ChunkReader:
         count = math.prod(shape) * (2 if nibbles else 1)
         row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
         if isinstance(converted.buffers, nativeread.Spans):
-            bufs, sizes = [converted.buffers], converted.buffers.sizes.tolist()
+            bufs = [converted.buffers]
         else:
             bufs = [memoryview(b).cast("B") for b in converted.buffers]
-            sizes = [b.nbytes for b in bufs]
-        if row < 1 or count % row or any(n % (row * target_size) for n in sizes) or sum(sizes) != count * target_size:
+        # (That each buffer, or stretch, is whole rows the native reads check, before reading.)
+        if row < 1 or count % row or sum(nativeread.nbytes_of(b) for b in bufs) != count * target_size:
             raise ValueError(f"buffers for tensor {name!r} do not hold its {count} elements as whole rows of "
                              f"{row} {target}")
         rows = count // row
