@@ -234,17 +234,11 @@ static inline int chatkv_has_bf16(void)
 }
 
 #define LOAD16_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-/* e4m3 as float16 bits (sign, then exponent and mantissa 3 bits up): the
-   same value 2^-8 times, for normal and subnormal codes alike. */
-#define LOAD16_E4M3(p) _mm512_mul_ps(_mm512_cvtph_ps(chatkv_e4m3_as_f16(_mm_loadu_si128((const __m128i *)(p)))), \
-                                     _mm512_set1_ps(256.0f))
 #define LOAD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define LOAD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(          \
                                                                 (const __m256i *)(p))), 16))
 #define LOAD16_F32(p) _mm512_loadu_ps(p)
 #define SPECIAL32_NONE(p) 0
-#define SPECIAL32_E4M3(p) _mm256_cmpeq_epi8_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p)),  \
-                                                                   _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f))
 
 /* lo and hi (32 products) rounded to bfloat16 into o, 1; or 0, o untouched,
    where one is a NaN or a float32 subnormal (for the caller to convert one by one). */
@@ -254,13 +248,6 @@ CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512
         return 0;
     _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     return 1;
-}
-
-CHATKV_AVX512_BF16 static inline __m256i chatkv_e4m3_as_f16(__m128i c)
-{
-    __m256i w = _mm256_cvtepu8_epi16(c);
-    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                           _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
 }
 
 /* (in and out may be the same memory: each 32 elements are read before they
@@ -295,7 +282,51 @@ CHATKV_AVX512_BF16 static inline __m256i chatkv_e4m3_as_f16(__m128i c)
     }
 
 CHATKV_FAST_BF16(chatkv_fast_i8_bf16, int8_t, LOAD_INT8, LOAD16_INT8, SPECIAL32_NONE)
-CHATKV_FAST_BF16(chatkv_fast_e4m3_bf16, uint8_t, LOAD_E4M3, LOAD16_E4M3, SPECIAL32_E4M3)
+
+/* chatkv_rows_e4m3_bf16 as CHATKV_FAST_BF16 does it, 32 codes a step: each
+   code sign-extended to 16 bits and shifted 7 up is, with bit 14 cleared,
+   the float16 whose value is the code's 2^-8 times (sign, then exponent and
+   mantissa 3 bits up; subnormal codes too), made float32 exactly. A row
+   scaled by s is multiplied by 256 s in one step where that is finite (the
+   same real product, rounded once), else by 256 and then s. 32 codes
+   holding a NaN (S.1111.111, which the float16 route would read as a
+   number) go one by one. */
+CHATKV_AVX512_BF16 static void chatkv_fast_e4m3_bf16(const uint8_t *in, uint16_t *out, long long rows,
+                                                    long long row, const float *scale)
+{
+    if (!scale) {
+        row *= rows;
+        rows = 1;
+    }
+    const __m512 k256 = _mm512_set1_ps(256.0f);
+    for (long long r = 0; r < rows; r++) {
+        const uint8_t *a = in + r * row;
+        uint16_t *o = out + r * row;
+        const float s = scale ? scale[r] : 1.0f, s256 = s * 256.0f;
+        const int folded = s256 - s256 == 0.0f;  /* finite (not inf, not NaN) */
+        const __m512 vs = _mm512_set1_ps(folded ? s256 : s);
+        long long i = 0;
+        for (; i + 32 <= row; i += 32) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(a + i));
+            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(c), 7),
+                                               _mm512_set1_epi16((short)0xbf80));
+            __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+            __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            if (!folded) {
+                lo = _mm512_mul_ps(lo, k256);
+                hi = _mm512_mul_ps(hi, k256);
+            }
+            lo = _mm512_mul_ps(lo, vs);
+            hi = _mm512_mul_ps(hi, vs);
+            const __m256i m7f = _mm256_set1_epi8(0x7f);
+            if (_mm256_cmpeq_epi8_mask(_mm256_and_si256(c, m7f), m7f) || !chatkv_put32(o + i, lo, hi))
+                for (long long j = i; j < i + 32; j++)
+                    o[j] = chatkv_bf16(LOAD_E4M3(a[j]) * s);
+        }
+        for (; i < row; i++)
+            o[i] = chatkv_bf16(LOAD_E4M3(a[i]) * s);
+    }
+}
 CHATKV_FAST_BF16(chatkv_fast_f16_bf16, uint16_t, LOAD_F16, LOAD16_F16, SPECIAL32_NONE)
 CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD16_BF16, SPECIAL32_NONE)
 CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD16_F32, SPECIAL32_NONE)
