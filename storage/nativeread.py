@@ -303,7 +303,7 @@ CHATKV_AVX512_BF16 static void chatkv_fast_e4m3_bf16(const uint8_t *in, uint16_t
         const uint8_t *a = in + r * row;
         uint16_t *o = out + r * row;
         const float s = scale ? scale[r] : 1.0f, s256 = s * 256.0f;
-        const int folded = s256 - s256 == 0.0f;  /* finite (not inf, not NaN) */
+        const int folded = __builtin_isfinite(s256);
         const __m512 vs = _mm512_set1_ps(folded ? s256 : s);
         long long i = 0;
         for (; i + 32 <= row; i += 32) {
@@ -572,10 +572,10 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
    conv is 0, into addr (or its stretches); else into a staging buffer, from
    which the slice's whole rows are converted into addr (or its stretches; see
    struct chatkv_piece and the conversions above), or, for types of one size
-   that convert in place (chatkv_in_place), into addr and converted there. Returns the bytes read
-   from fd, -errno after a failed read or allocation (-EINVAL: stretches
-   that do not hold the piece in whole rows), or -(1 << 40) when the file
-   ends before the pieces do. */
+   that convert in place (chatkv_in_place), into addr and converted there.
+   Returns the bytes read from fd, -errno after a failed read or allocation
+   (-EINVAL: stretches that do not hold the piece in whole rows), or
+   -(1 << 40) when the file ends before the pieces do. */
 static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
                                     void *state, chatkv_update_fn update)
 {
