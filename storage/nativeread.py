@@ -238,7 +238,20 @@ static inline int chatkv_has_bf16(void)
 #define LOAD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(          \
                                                                 (const __m256i *)(p))), 16))
 #define LOAD16_F32(p) _mm512_loadu_ps(p)
+/* LOAD32_x(p, lo, hi): 32 elements at p as float32 into lo and hi, 16 each, exactly. */
+#define LOAD32_INT8(p, lo, hi) ((lo) = LOAD16_INT8(p), (hi) = LOAD16_INT8((p) + 16))
+#define LOAD32_F16(p, lo, hi) ((lo) = LOAD16_F16(p), (hi) = LOAD16_F16((p) + 16))
+#define LOAD32_BF16(p, lo, hi) ((lo) = LOAD16_BF16(p), (hi) = LOAD16_BF16((p) + 16))
+#define LOAD32_F32(p, lo, hi) ((lo) = LOAD16_F32(p), (hi) = LOAD16_F32((p) + 16))
+/* e4m3 codes 2^-8 times (see CHATKV_FAST_BF16's unit): each code
+   sign-extended to 16 bits and shifted 7 up is, with bit 14 cleared, the
+   float16 of that value (sign, then exponent and mantissa 3 bits up;
+   subnormal codes too), made float32 exactly. */
+#define LOAD32_E4M3(p, lo, hi) chatkv_e4m3_32((const uint8_t *)(p), &(lo), &(hi))
 #define SPECIAL32_NONE(p) 0
+/* 32 e4m3 codes holding a NaN (S.1111.111, which LOAD32_E4M3 reads as a number). */
+#define SPECIAL32_E4M3(p) _mm256_cmpeq_epi8_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p)),  \
+                                                                   _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f))
 
 /* lo and hi (32 products) rounded to bfloat16 into o, 1; or 0, o untouched,
    where one is a NaN or a float32 subnormal (for the caller to convert one by one). */
@@ -250,9 +263,21 @@ CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512
     return 1;
 }
 
-/* (in and out may be the same memory: each 32 elements are read before they
-   are written, and the code does not assume they differ.) */
-#define CHATKV_FAST_BF16(name, src_t, load, load16, special32)                                     \
+CHATKV_AVX512_BF16 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *lo, __m512 *hi)
+{
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xbf80));
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+/* load32 gives the elements unit times smaller than load does (a power of
+   two: 1, or 256 for e4m3): a row's products are the loaded values times
+   unit s in one multiply where that is finite (the same real product,
+   rounded once), else times unit and then s. (in and out may be the same
+   memory: each 32 elements are read before they are written, and the code
+   does not assume they differ.) */
+#define CHATKV_FAST_BF16(name, src_t, load, load32, unit, special32)                               \
     CHATKV_AVX512_BF16 static void name(const src_t *in, uint16_t *out, long long rows, long long row, \
                                         const float *scale)                                         \
     {                                                                                               \
@@ -263,12 +288,18 @@ CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512
         for (long long r = 0; r < rows; r++) {                                                      \
             const src_t *a = in + r * row;                                                          \
             uint16_t *o = out + r * row;                                                            \
-            const float s = scale ? scale[r] : 1.0f;                                                \
-            const __m512 vs = _mm512_set1_ps(s);                                                    \
+            const float s = scale ? scale[r] : 1.0f, su = s * (unit);                               \
+            const int folded = __builtin_isfinite(su);                                              \
+            const __m512 vs = _mm512_set1_ps(folded ? su : s), vu = _mm512_set1_ps(unit);            \
             long long i = 0;                                                                        \
             for (; i + 32 <= row; i += 32) {                                                        \
-                __m512 lo = load16(a + i), hi = load16(a + i + 16);                                 \
-                if (scale) {                                                                        \
+                __m512 lo, hi;                                                                      \
+                load32(a + i, lo, hi);                                                              \
+                if ((unit) != 1.0f && !folded) {                                                    \
+                    lo = _mm512_mul_ps(lo, vu);                                                     \
+                    hi = _mm512_mul_ps(hi, vu);                                                     \
+                }                                                                                   \
+                if (scale || (unit) != 1.0f) {                                                      \
                     lo = _mm512_mul_ps(lo, vs);                                                     \
                     hi = _mm512_mul_ps(hi, vs);                                                     \
                 }                                                                                   \
@@ -281,55 +312,11 @@ CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512
         }                                                                                           \
     }
 
-CHATKV_FAST_BF16(chatkv_fast_i8_bf16, int8_t, LOAD_INT8, LOAD16_INT8, SPECIAL32_NONE)
-
-/* chatkv_rows_e4m3_bf16 as CHATKV_FAST_BF16 does it, 32 codes a step: each
-   code sign-extended to 16 bits and shifted 7 up is, with bit 14 cleared,
-   the float16 whose value is the code's 2^-8 times (sign, then exponent and
-   mantissa 3 bits up; subnormal codes too), made float32 exactly. A row
-   scaled by s is multiplied by 256 s in one step where that is finite (the
-   same real product, rounded once), else by 256 and then s. 32 codes
-   holding a NaN (S.1111.111, which the float16 route would read as a
-   number) go one by one. */
-CHATKV_AVX512_BF16 static void chatkv_fast_e4m3_bf16(const uint8_t *in, uint16_t *out, long long rows,
-                                                    long long row, const float *scale)
-{
-    if (!scale) {
-        row *= rows;
-        rows = 1;
-    }
-    const __m512 k256 = _mm512_set1_ps(256.0f);
-    for (long long r = 0; r < rows; r++) {
-        const uint8_t *a = in + r * row;
-        uint16_t *o = out + r * row;
-        const float s = scale ? scale[r] : 1.0f, s256 = s * 256.0f;
-        const int folded = __builtin_isfinite(s256);
-        const __m512 vs = _mm512_set1_ps(folded ? s256 : s);
-        long long i = 0;
-        for (; i + 32 <= row; i += 32) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(a + i));
-            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(c), 7),
-                                               _mm512_set1_epi16((short)0xbf80));
-            __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-            __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            if (!folded) {
-                lo = _mm512_mul_ps(lo, k256);
-                hi = _mm512_mul_ps(hi, k256);
-            }
-            lo = _mm512_mul_ps(lo, vs);
-            hi = _mm512_mul_ps(hi, vs);
-            const __m256i m7f = _mm256_set1_epi8(0x7f);
-            if (_mm256_cmpeq_epi8_mask(_mm256_and_si256(c, m7f), m7f) || !chatkv_put32(o + i, lo, hi))
-                for (long long j = i; j < i + 32; j++)
-                    o[j] = chatkv_bf16(LOAD_E4M3(a[j]) * s);
-        }
-        for (; i < row; i++)
-            o[i] = chatkv_bf16(LOAD_E4M3(a[i]) * s);
-    }
-}
-CHATKV_FAST_BF16(chatkv_fast_f16_bf16, uint16_t, LOAD_F16, LOAD16_F16, SPECIAL32_NONE)
-CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD16_BF16, SPECIAL32_NONE)
-CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD16_F32, SPECIAL32_NONE)
+CHATKV_FAST_BF16(chatkv_fast_i8_bf16, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)
+CHATKV_FAST_BF16(chatkv_fast_e4m3_bf16, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)
+CHATKV_FAST_BF16(chatkv_fast_f16_bf16, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPECIAL32_NONE)
+CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
+CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD32_F32, 1.0f, SPECIAL32_NONE)
 #define CHATKV_TO_BF16(fast, portable) (chatkv_has_bf16() ? fast : portable)
 /* Whether elements of type src convert into dst where they lie (chatkv_convert):
    types of one size into bfloat16, on CPUs with AVX-512 BF16. */
