@@ -863,10 +863,10 @@ def _views(planes: _Planes, plane: int, lo: int, hi: int) -> list[memoryview]:
 
 
 def _spans(planes: _Planes, lo: int, hi: int, every: int = 1) -> list[Spans]:
-    """Bytes ``lo .. hi - 1`` of the runs of planes ``first``, ``first +
-    every``, ... in turn, as one :class:`~chatkv.storage.Spans`, for each
-    ``first`` below ``every`` (every plane's: ``every`` 1; K's and V's: 2),
-    the runs cut once for all."""
+    """For each ``first`` below ``every``, bytes ``lo .. hi - 1`` of the runs
+    of planes ``first``, ``first + every``, ... in turn, as one
+    :class:`~chatkv.storage.Spans` (``every`` 1: all planes' in one; 2: K's,
+    then V's), the runs cut once for all; their sizes arrays are one array."""
     cut = np.array(_runs_cut(planes.runs, lo, hi), dtype=np.int64).reshape(-1, 2)
     count = len(planes.starts) // every
     sizes = np.empty((count, len(cut)), dtype=np.int64)

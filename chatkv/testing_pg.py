@@ -40,11 +40,18 @@ class PgUnavailable(RuntimeError):
     """The PostgreSQL server binaries (or the ``psycopg`` driver) are not installed here."""
 
 
-def pg_required() -> bool:
-    """True when a missing PostgreSQL must fail the tests: ``CHATKV_REQUIRE_PG=1`` or ``CI`` set."""
-    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+def required(variable: str) -> bool:
+    """True when a piece the tests can skip without (a server, a native
+    library) must be there instead, a missing one failing them: the
+    environment variable ``variable`` set (not ``0``), or ``CI`` set."""
+    if os.environ.get(variable, "") not in ("", "0"):
         return True
     return os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+def pg_required() -> bool:
+    """True when a missing PostgreSQL must fail the tests: ``CHATKV_REQUIRE_PG=1`` or ``CI`` set."""
+    return required(REQUIRE_ENV)
 
 
 def find_bindir() -> Path:

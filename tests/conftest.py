@@ -97,12 +97,12 @@ def native_reads():
     ``CHATKV_REQUIRE_NATIVE=1`` or ``CI`` is set: there a build or load-time
     self-test that fails is a failure, not two hundred skipped tests."""
     from chatkv.storage import nativeread
+    from chatkv.testing_pg import required
 
     reads = nativeread.wait_prepared(120)
     if reads is None:
         why = f"native chunk reads unavailable here: {nativeread.unavailable_reason()}"
-        if os.environ.get("CHATKV_REQUIRE_NATIVE", "") not in ("", "0") \
-                or os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        if required("CHATKV_REQUIRE_NATIVE"):
             pytest.fail(f"{why} (CHATKV_REQUIRE_NATIVE/CI is set, so they must be there)")
         pytest.skip(why)
     return reads
