@@ -50,10 +50,14 @@ _ROOT = b"\x00" * 32
 def block_hash(parent: BlockHash | None, token_ids: Seq[int], namespace: bytes) -> BlockHash:
     """Hash of a full block given its parent's hash, its token ids and a namespace
     (the model fingerprint), so equal tokens under different models never match."""
-    h = hashlib.sha256()
-    h.update(parent or _ROOT)
+    return _block_digest(parent, namespace, array.array("q", token_ids).tobytes())  # int64s, as numpy's
+
+
+def _block_digest(parent: BlockHash | None, namespace: bytes, packed: bytes | memoryview) -> BlockHash:
+    """:func:`block_hash` of a block whose token ids are ``packed`` (int64s)."""
+    h = hashlib.sha256(parent or _ROOT)
     h.update(namespace)
-    h.update(array.array("q", token_ids).tobytes())  # int64s, as numpy's (a third of its time for a block)
+    h.update(packed)
     return BlockHash(h.digest())
 
 
@@ -572,25 +576,39 @@ class BlockPool:
         block index, for its ``ahead``. Reads nothing that changes (the
         namespace, the block size): any thread may call it."""
         bs = self.block_size
+        n = len(token_ids) // bs
+        # All the tokens packed at once, each block's a slice: a third less time
+        # than packing each block's (128 blocks: 0.10 against 0.15 ms).
+        packed = memoryview(array.array("q", token_ids[: n * bs]).tobytes())
+        step = 8 * bs
         out: dict[int, BlockHash] = {}
-        for k in range(len(token_ids) // bs):
-            parent = out[first + k] = block_hash(parent, token_ids[k * bs : (k + 1) * bs],
-                                                 self._namespace(shift, first + k))
+        for k in range(n):
+            parent = out[first + k] = _block_digest(parent, self._namespace(shift, first + k),
+                                                    packed[k * step: (k + 1) * step])
         return out
 
     def _hash_blocks(self, seq: Sequence, ahead: dict[int, BlockHash] | None = None) -> None:
         """Hash ``seq``'s full computed blocks that have no hash yet (publishing
-        them if exact), taking those ``ahead`` holds from it."""
+        them if exact), taking those ``ahead`` holds from it; the others are
+        :meth:`chain_hashes`' (one walk of the chain, not one here as well)."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
-            parent = seq.block_hashes[i - 1] if i else None
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = ahead.get(i) if ahead else None
-            if h is None:
-                h = block_hash(parent, chunk, self._namespace(seq.shift, i))
-            elif CHECK_OWNER:  # (the tests' mode) a hash from elsewhere is what this one would be
-                assert h == block_hash(parent, chunk, self._namespace(seq.shift, i)), f"block {i}: wrong hash ahead"
+        start, stop = len(seq.block_hashes), seq.num_computed // bs
+        known = start  # ahead holds blocks start .. known - 1
+        while ahead and known < stop and known in ahead:
+            known += 1
+        first = start if CHECK_OWNER else known  # (the tests' mode: those ahead checked against these)
+        hashes: dict[int, BlockHash] = {}
+        if first < stop:
+            parent = None
+            if first:
+                parent = seq.block_hashes[first - 1] if first == start else ahead[first - 1]  # type: ignore[index]
+            hashes = self.chain_hashes(parent, seq.token_ids[first * bs: stop * bs], first, seq.shift)
+        for i in range(start, stop):
+            h = ahead[i] if i < known else hashes[i]  # type: ignore[index]
+            if CHECK_OWNER:
+                assert h == hashes[i], f"block {i}: wrong hash ahead"
             seq.block_hashes.append(h)
+            chunk = tuple(seq.token_ids[i * bs: (i + 1) * bs])
             block = seq.block_table[i]
             if seq.exact and h not in self.hash_to_block:
                 self.hash_to_block[h] = block

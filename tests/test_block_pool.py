@@ -75,7 +75,7 @@ def test_match_never_covers_the_last_token():
 
 
 def test_hash_collision_cannot_serve_wrong_kv(monkeypatch):
-    monkeypatch.setattr(bp, "block_hash", lambda parent, tokens, ns: bp.BlockHash(b"same" * 8))
+    monkeypatch.setattr(bp, "_block_digest", lambda parent, ns, packed: bp.BlockHash(b"same" * 8))  # every hash
     pool = make_pool()
     a = Sequence()
     fill(pool, a, [1, 2, 3, 4, 5])
@@ -326,6 +326,26 @@ def test_hashes_computed_ahead_are_the_ones_commit_computes(shift_at):
     given.reserve(c, tokens[8:])
     with pytest.raises(AssertionError, match="wrong hash"):  # the tests' checking mode compares
         given.commit(c, 16, wrong)
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("held", [[], [0, 1], [0, 1, 2, 3, 4, 5], [2, 3]])
+def test_commit_takes_the_hashes_ahead_holds_and_computes_the_rest(monkeypatch, check: bool, held: list[int]):
+    """Whichever blocks ``ahead`` holds (none, a first few, all, or ones after
+    a gap), commit's hashes are those of a commit without it, in the loop's
+    own mode (``CHECK_OWNER`` off, where those ahead are taken unchecked) and
+    in the tests' mode."""
+    monkeypatch.setattr(bp, "CHECK_OWNER", check)
+    tokens = list(range(700, 726))  # six full blocks of 4 and 2 tokens
+    own, given = make_pool(num_blocks=16), make_pool(num_blocks=16)
+    a, b = Sequence(), Sequence()
+    fill(own, a, tokens)
+    every = given.chain_hashes(None, tokens, 0)
+    given.reserve(b, tokens)
+    given.commit(b, 10, {i: every[i] for i in held})  # blocks 0 and 1
+    given.commit(b, 16, {i: every[i] for i in held})  # blocks 2 to 5
+    assert b.block_hashes == a.block_hashes == list(every.values())
+    assert set(given.hash_to_block) == set(own.hash_to_block)
 
 
 def test_commit_pages_writes_only_free_blocks():
