@@ -738,7 +738,7 @@ class KVPersister:
             for part, spans in zip(parts, _spans(planes, lo, edge, every=2)):
                 converted[part.codes] = Converted(spans, dtype, part.row, part.scale, part.zero, part.block,
                                                   part.group)
-            return {"tail": _spans(planes, edge, hi)[0]}, converted
+            return {"tail": _spans(planes, edge, hi)[0] if edge < hi else []}, converted  # (a full chunk has none)
         scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         for i, part in enumerate(parts):
             buffers = [piece for layer in range(L) for piece in [scratch, *_views(planes, 2 * layer + i, lo, edge)]]
