@@ -23,7 +23,7 @@ import logging
 import os
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NewType, Sequence as Seq
 
@@ -395,22 +395,15 @@ class BlockPool:
         """
         self._check()
         assert not seq.block_table and seq.num_computed == 0, "match_prefix needs an empty sequence"
-        bs = self.block_size
-        parent: BlockHash | None = None
-        matched = 0
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self._namespace(seq.shift, i))
-            block = self.hash_to_block.get(h)
-            if block is None or self.block_tokens[block] != chunk:
-                self.prefix_misses += 1
-                break
+        for h, block in self._cached_prefix(token_ids, seq.shift):
             self._incref(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-            self.prefix_hits += 1
-            parent = h
-            matched += bs
+        found = len(seq.block_table)
+        self.prefix_hits += found
+        if found < (len(token_ids) - 1) // self.block_size:
+            self.prefix_misses += 1
+        matched = found * self.block_size
         seq.token_ids = list(token_ids[:matched])
         seq.num_computed = matched
         return matched
@@ -424,19 +417,29 @@ class BlockPool:
             reviving a cached block takes it out of :attr:`num_available`.
         """
         self._check()
+        matched = revived = 0
+        for _, block in self._cached_prefix(token_ids, shift):
+            revived += self.ref_counts[block] == 0
+            matched += self.block_size
+        return matched, revived
+
+    def _cached_prefix(self, token_ids: Seq[int], shift: Shift | None) -> Iterator[tuple[BlockHash, int]]:
+        """``(hash, block)`` of each block of the pool that holds the next full
+        block of ``token_ids`` (of a sequence with ``shift``), from the first,
+        up to the first that none holds; at most all but the last token. The
+        one walk of the hash chain that :meth:`match_prefix` and
+        :meth:`prefix_plan` share (a block's tokens compared too, not only
+        its hash)."""
         bs = self.block_size
         parent: BlockHash | None = None
-        matched = revived = 0
         for i in range((len(token_ids) - 1) // bs):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, chunk, self._namespace(shift, i))
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens, self._namespace(shift, i))
             block = self.hash_to_block.get(h)
-            if block is None or self.block_tokens[block] != chunk:
-                break
-            revived += self.ref_counts[block] == 0
+            if block is None or self.block_tokens[block] != tokens:
+                return
+            yield h, block
             parent = h
-            matched += bs
-        return matched, revived
 
     def align(self, seq: Sequence, token_ids: Seq[int]) -> Alignment:
         """Point ``seq`` at ``token_ids``: keep the KV of their longest common prefix

@@ -74,6 +74,28 @@ def test_match_never_covers_the_last_token():
     assert pool.match_prefix(b, list(range(8))) == 4  # the 8th token must be computed for logits
 
 
+def test_prefix_plan_foresees_match_prefix_and_the_counters_count_blocks_and_misses():
+    pool = make_pool(num_blocks=12)
+    a = Sequence()
+    fill(pool, a, list(range(13)))  # three full blocks hashed
+    pool.release_tail_first(a)  # ...now cached, held by no one
+    cases = [
+        (list(range(13)) + [99], 12, 0),  # all three, then nothing left to look up: no miss
+        (list(range(8)) + [7, 7, 7, 7, 5], 8, 1),  # two, then a block no one holds
+        ([5] * 9, 0, 1),  # none
+        (list(range(4)), 0, 0),  # no full block before the last token: nothing looked up
+    ]
+    for ids, tokens, misses in cases:
+        planned, revived = pool.prefix_plan(ids)
+        hits, missed = pool.prefix_hits, pool.prefix_misses
+        seq = Sequence()
+        assert (planned, pool.match_prefix(seq, ids)) == (tokens, tokens)
+        assert revived == tokens // 4  # each block cached, not held: planning counted it as revived
+        assert (pool.prefix_hits - hits, pool.prefix_misses - missed) == (tokens // 4, misses)
+        assert seq.token_ids == ids[:tokens] and seq.num_computed == tokens
+        pool.release_tail_first(seq)
+
+
 def test_hash_collision_cannot_serve_wrong_kv(monkeypatch):
     monkeypatch.setattr(bp, "_block_digest", lambda parent, ns, packed: bp.BlockHash(b"same" * 8))  # every hash
     pool = make_pool()
