@@ -582,7 +582,8 @@ class BlockPool:
         n = len(token_ids) // bs
         # All the tokens packed at once, each block's a slice of them: a restore's
         # 115 blocks in 0.125 ms, against 0.156 packing each block's tokens.
-        packed = memoryview(array.array("q", token_ids[: n * bs]).tobytes())
+        whole = token_ids if len(token_ids) == n * bs else token_ids[: n * bs]  # (callers pass whole blocks)
+        packed = memoryview(array.array("q", whole).tobytes())
         step = 8 * bs
         out: dict[int, BlockHash] = {}
         for k in range(n):

@@ -33,6 +33,7 @@ def _as_spans(rows, pieces: list[tuple], row_bytes: int) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def reads(native_reads) -> nativeread.NativeReads:
+    """conftest's ``native_reads`` (which fails where CI needs them), by the name these tests use."""
     return native_reads
 
 
