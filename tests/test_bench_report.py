@@ -86,3 +86,37 @@ def test_the_decode_goal_is_judged_on_ratios_paired_by_repeat() -> None:
     del chatkv[2]  # a failed chatkv process: its repeat's eager run has no partner and is left out
     eager[2]["rates"]["1000"] = 1.0
     assert "1000 tok: 1.65x (1.60-1.70, 88%) met" in decode_goal(chatkv, eager, [1000])[-1]
+
+
+def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_round() -> None:
+    """benchmarks.disk_formats pairs each format's restore with exact's of the
+    same round (the VM's drift between rounds cancels): met where every pair
+    is faster, not met where every one is slower, undecided where they
+    straddle exact; and the table says so per format, warm and cold."""
+    import argparse
+
+    from benchmarks.disk_formats import add_vs_exact, render
+
+    drift = [1.0, 1.6, 0.8, 1.3, 0.9, 1.5, 1.1, 0.7, 1.2, 1.4]  # exact's time, round by round
+
+    def result(factors: list[float]) -> dict:
+        times = [d * f for d, f in zip(drift, factors)]
+        pairs = ((1.0, 0.4, 0.5, 0.9),) * 2
+        return {"tokens": 1000, "disk_bytes": 10_000, "bytes_per_token": 10.0, "restore_s": times,
+                "restore_cold_s": [3 * t for t in times], "restore_median_s": 1.0, "restore_cold_median_s": 3.0,
+                "restore_bytes_per_s": 1e9, "raw_read_bytes_per_s": 2e9, "raw_read_into_bytes_per_s": 2e9,
+                "raw_read_cold_bytes_per_s": 1e9, "top1_agreement": 1.0, "mean_kl": 0.0, "cold": "evicted",
+                "paired_read_ratio": pairs[0], "paired_read_into_ratio": pairs[1]}
+
+    results = {"exact": result([1.0] * 10), "int8": result([0.9] * 10), "fp8": result([1.2] * 10),
+               "int4": result([0.9, 1.1] * 5)}
+    add_vs_exact(results)
+    assert results["int8"]["vs_exact_ratio"][1] == pytest.approx(0.9)  # not 0.9 times a median of the drift
+    assert results["fp8"]["vs_exact_cold_ratio"][1] == pytest.approx(1.2)
+    table = render(results, argparse.Namespace(dtype="bfloat16", repeats=10))
+    rows = {line.split("|")[1].strip(): line for line in table.split("Restore time over exact's")[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| format")}
+    assert set(rows) == {"int8", "fp8", "int4"}
+    assert rows["int8"].count(" met") == 2 and "not met" not in rows["int8"]
+    assert rows["fp8"].count("not met") == 2
+    assert rows["int4"].count("undecided") == 2
