@@ -186,9 +186,8 @@ def decode_goal(chatkv: list[dict[str, Any]], eager: list[dict[str, Any]], conte
     (:func:`benchmarks.report.median_interval`), and the verdict: met where
     the whole interval is at least :data:`DECODE_GOAL`, not met where it is
     all below, undecided otherwise."""
-    from benchmarks.report import combined, median_interval, verdict
+    from benchmarks.report import SAID, combined, interval_cell, median_interval, verdict
 
-    said = {True: "met", False: "not met", "undecided": "undecided", None: "not measured"}
     by_repeat = {r.get("repeat", i): r for i, r in enumerate(eager)}
     cells, verdicts = [], []
     for n in contexts:
@@ -198,10 +197,9 @@ def decode_goal(chatkv: list[dict[str, Any]], eager: list[dict[str, Any]], conte
         if interval is None:
             cells.append(f"{n} tok: not measured")
             continue
-        low, mid, high, coverage = interval
         verdicts.append(verdict(interval, DECODE_GOAL, at_least=True))
-        cells.append(f"{n} tok: {mid:.2f}x ({low:.2f}-{high:.2f}, {coverage:.0%}) {said[verdicts[-1]]}")
-    overall = said[combined(verdicts)] if verdicts else "undecided"
+        cells.append(f"{n} tok: {interval_cell(interval, DECODE_GOAL, at_least=True)}")
+    overall = SAID[combined(verdicts)] if verdicts else "undecided"
     return [f"Goal: decode at least {DECODE_GOAL}x transformers' eager decode in the same dtype, judged on "
             f"ratios paired by repeat (median, interval, coverage): {overall}.", "", "; ".join(cells) + "."]
 

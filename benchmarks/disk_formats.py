@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks.measure import evict_page_cache, raw_read, raw_read_into, write_json
-from benchmarks.report import median_interval, verdict
+from benchmarks.report import interval_cell, median_interval
 from benchmarks.sharegpt import load_conversations
 
 FORMATS = ("exact", "bf16", "fp16", "int8", "fp8", "int4")
@@ -190,7 +190,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         cells = []
         for name in ("paired_read_ratio", "paired_read_into_ratio"):
             # (the goal is exact KV's; a compact file holds fewer bytes)
-            cells.append(_ratio_cell(r[name], 0.5, at_least=True) if fmt == "exact" else _ratio_cell(r[name]))
+            cells.append(interval_cell(r[name], 0.5, at_least=True) if fmt == "exact" else interval_cell(r[name]))
         lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
     lines += ["", "Restore time over exact's in the same round (medians of "
               f"{args.repeats} pairs, the sign test's interval; the goal: a compact format restores as fast as "
@@ -198,8 +198,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
               "| format | from the page cache | from the device |", "|---|---:|---:|"]
     for fmt, r in results.items():
         if fmt != "exact":
-            lines.append(f"| {fmt} | {_ratio_cell(r['vs_exact_ratio'], 1.0, at_least=False)} | "
-                         f"{_ratio_cell(r['vs_exact_cold_ratio'], 1.0, at_least=False)} |")
+            lines.append(f"| {fmt} | {interval_cell(r['vs_exact_ratio'], 1.0)} | "
+                         f"{interval_cell(r['vs_exact_cold_ratio'], 1.0)} |")
     lines.append("")
     lines.append("restore bandwidth: bytes of KV made resident in the pool per second; plain read: the chunk "
                  "files read whole from the page cache in 8 MB reads whose buffers are reused (so stay in the "
@@ -207,16 +207,6 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
                  f"pages written before (as a warmed pool's); both medians of {args.repeats} reads; cold: the "
                  f"files dropped from the page cache first ({exact['cold']}), so read from the device.")
     return "\n".join(lines)
-
-
-def _ratio_cell(interval: Any, limit: float | None = None, at_least: bool = False) -> str:
-    """A table cell for :func:`~benchmarks.report.median_interval`'s ``interval``
-    of ratios, with its :func:`~benchmarks.report.verdict` against ``limit``
-    where one is given."""
-    low, mid, high, coverage = interval
-    met = "" if limit is None else \
-        {True: " met", False: " not met", "undecided": " undecided"}[verdict(interval, limit, at_least=at_least)]
-    return f"{mid:.2f}x ({low:.2f}-{high:.2f}, {100 * coverage:.0f}%){met}"
 
 
 def main(argv: list[str] | None = None) -> int:

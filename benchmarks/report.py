@@ -77,6 +77,19 @@ def verdict(interval: Interval | None, limit: float, at_least: bool = False) -> 
     return True if high <= limit else (False if low > limit else "undecided")
 
 
+#: What a table says for each :func:`verdict`.
+SAID = {True: "met", False: "not met", "undecided": "undecided", None: "not measured"}
+
+
+def interval_cell(interval: Interval, limit: float | None = None, at_least: bool = False) -> str:
+    """``median x (low-high, coverage)`` of :func:`median_interval`'s
+    ``interval`` of ratios, then its :func:`verdict` against ``limit`` where
+    one is given: a table cell."""
+    low, mid, high, coverage = interval
+    said = "" if limit is None else " " + SAID[verdict(interval, limit, at_least=at_least)]
+    return f"{mid:.2f}x ({low:.2f}-{high:.2f}, {coverage:.0%}){said}"
+
+
 def combined(verdicts: list[bool | str | None]) -> bool | str | None:
     """One goal's verdict over several lengths (:func:`verdict` each): not
     measured if none was, not met if any is not, met if all are, otherwise
