@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from chatkv.config import switched_off
 from chatkv.errors import OutOfBlocksError
 from chatkv.kvcodec import PackedPart, pack, packed_format, packed_layout, parse_packed, unpack, unpack_into
@@ -50,7 +48,8 @@ from chatkv.storage import (
     NewChunk,
     SaveResult,
     SessionInfo,
-    Spans,
+    PlaneSpans,
+    Planes,
     Store,
     StoredKV,
     default_db_url,
@@ -475,8 +474,8 @@ class KVPersister:
                 end = off
         slots = pool.reserve(seq, cached_ids[start:end]) if end > start else []
         planes = pool.slot_planes(seq, start, end - start)
-        if planes is not None:
-            planes = _Planes(*planes)
+        if planes is not None:  # (checked once here: each chunk's read into them then checks two numbers)
+            planes = Planes(*planes)
         return _RestorePlan(start, end, slots, planes, seq.block_hashes[-1] if seq.block_hashes else None)
 
     def _finish(self, kv: "TieredKV", plan: "_RestorePlan", exact_until: int, good: int,
@@ -664,7 +663,7 @@ class KVPersister:
         return SavedKV(stored.token_ids[:kept], chunks, shift)
 
     def _read_chunk(self, stored: StoredKV, index: int, base: str, shape: tuple[int, int, int, int, int],
-                    into: "tuple[_Planes, int, int, int] | None",
+                    into: "tuple[Planes, int, int, int] | None",
                     ) -> "tuple[dict[str, torch.Tensor] | None, bool]":
         """In a reader thread: open chunk ``index`` of ``stored`` (its format
         ``base``) and read it, checksum checked. With ``into`` (where the
@@ -684,8 +683,8 @@ class KVPersister:
         source = stored.open(index)
         if into is not None and source.shapes.get(KV_TENSOR) == (self.engine.pool.kv.dtype, shape):
             planes, shared, lo, hi = into
-            if not shared:  # every plane's stretch as Spans: a few array operations, not a step per piece
-                source.read_into({KV_TENSOR: _spans(planes, lo, hi)[0]})
+            if not shared:  # every plane's stretch in one piece, the C function walking them
+                source.read_into({KV_TENSOR: planes.span(lo, hi)})
                 return None, False  # (only a chunk the loop writes needs to know)
             # A scratch piece per layer: the Python read path fills several pieces per
             # preadv before hashing them, so one piece used twice would lose bytes.
@@ -694,7 +693,7 @@ class KVPersister:
             buffers: list[memoryview] = []
             for j in range(len(planes.starts)):
                 buffers.append(scratch[j * shared: (j + 1) * shared])
-                buffers.extend(_views(planes, j, lo, hi))
+                buffers.extend(planes.views(j, lo, hi))
             source.read_into({KV_TENSOR: buffers})
             return None, False
         converted = self._converted(source, base, shape, into) if into is not None else None
@@ -707,8 +706,8 @@ class KVPersister:
         return tensors, before is not None and after is not None and 2 * (after - before) > source.info.bytes
 
     def _converted(self, source: ChunkSource, base: str, shape: tuple[int, int, int, int, int],
-                   into: "tuple[_Planes, int, int, int]",
-                   ) -> "tuple[dict[str, list[memoryview] | Spans], dict[str, Converted]] | None":
+                   into: "tuple[Planes, int, int, int]",
+                   ) -> "tuple[dict[str, list[memoryview] | PlaneSpans], dict[str, Converted]] | None":
         """``(buffers, converted)`` for :meth:`ChunkSource.read_into` that read
         a compact chunk (:func:`chatkv.kvcodec.packed_layout`) straight into
         its slots (``into``, as :meth:`_read_chunk` takes it), dequantizing
@@ -734,17 +733,17 @@ class KVPersister:
             return None
         edge = lo + full * row - shared  # where the chunk's tail starts in its reserved bytes
         converted = {}
-        if not shared:  # as Spans (see _read_chunk)
-            for part, spans in zip(parts, _spans(planes, lo, edge, every=2)):
-                converted[part.codes] = Converted(spans, dtype, part.row, part.scale, part.zero, part.block,
-                                                  part.group)
-            return {"tail": _spans(planes, edge, hi)[0] if edge < hi else []}, converted  # (a full chunk has none)
+        if not shared:  # as PlaneSpans (see _read_chunk)
+            for first, part in enumerate(parts):  # K's planes, then V's
+                converted[part.codes] = Converted(planes.span(lo, edge, first, 2), dtype, part.row, part.scale,
+                                                  part.zero, part.block, part.group)
+            return {"tail": planes.span(edge, hi) if edge < hi else []}, converted  # (a full chunk has none)
         scratch = memoryview(bytearray(shared))  # the codes of tokens in the shared prefix land here, unused
         for i, part in enumerate(parts):
-            buffers = [piece for layer in range(L) for piece in [scratch, *_views(planes, 2 * layer + i, lo, edge)]]
+            buffers = [piece for layer in range(L) for piece in [scratch, *planes.views(2 * layer + i, lo, edge)]]
             converted[part.codes] = Converted(buffers, dtype, part.row, part.scale, part.zero, part.block,
                                               part.group)
-        tail = [piece for layer in range(L) for i in range(2) for piece in _views(planes, 2 * layer + i, edge, hi)]
+        tail = [piece for layer in range(L) for i in range(2) for piece in planes.views(2 * layer + i, edge, hi)]
         return {"tail": tail}, converted
 
     def _fill(self, tensors: dict[str, "torch.Tensor"], base: str, shape: tuple[int, int, int, int, int],
@@ -821,56 +820,7 @@ class _RestorePlan:
     start: int
     end: int
     slots: list[int]
-    planes: "_Planes | None"
+    planes: "Planes | None"
     parent: "BlockHash | None" = None
 
 
-@dataclass(frozen=True)
-class _Planes:
-    """Where a restore's reserved slots lie in a host pool's memory
-    (:meth:`BlockPool.slot_planes`).
-
-    Attributes:
-        memory: the pool's bytes.
-        starts: int64 array, the offset of each layer's K plane and V plane in turn.
-        runs: the byte range ``(start, end)`` within a plane of each run of
-            consecutive slots, in order; the same in every plane.
-    """
-
-    memory: memoryview
-    starts: Any
-    runs: list[tuple[int, int]]
-
-
-def _runs_cut(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The ranges within a plane of bytes ``lo .. hi - 1`` of its ``runs`` put end to end."""
-    out = []
-    at = 0
-    for a, b in runs:
-        x, y = max(lo, at), min(hi, at + b - a)
-        if x < y:
-            out.append((a + x - at, a + y - at))
-        at += b - a
-        if at >= hi:
-            break
-    return out
-
-
-def _views(planes: _Planes, plane: int, lo: int, hi: int) -> list[memoryview]:
-    """Bytes ``lo .. hi - 1`` of plane ``plane``'s runs, as views of the pool's memory."""
-    base = int(planes.starts[plane])
-    return [planes.memory[base + a: base + b] for a, b in _runs_cut(planes.runs, lo, hi)]
-
-
-def _spans(planes: _Planes, lo: int, hi: int, every: int = 1) -> list[Spans]:
-    """For each ``first`` below ``every``, bytes ``lo .. hi - 1`` of the runs
-    of planes ``first``, ``first + every``, ... in turn, as one
-    :class:`~chatkv.storage.Spans` (``every`` 1: all planes' in one; 2: K's,
-    then V's), the runs cut once for all; their sizes arrays are one array."""
-    cut = np.array(_runs_cut(planes.runs, lo, hi), dtype=np.int64).reshape(-1, 2)
-    count = len(planes.starts) // every
-    sizes = np.empty((count, len(cut)), dtype=np.int64)
-    sizes[:] = cut[:, 1] - cut[:, 0]  # (np.tile took twice as long)
-    sizes = sizes.reshape(-1)
-    return [Spans(planes.memory, (planes.starts[first::every][:, None] + cut[:, 0]).reshape(-1), sizes)
-            for first in range(every)]

@@ -60,6 +60,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SessionKV": ("records", "SessionKV"),
     "SessionLockedError": ("errors", "SessionLockedError"),
     "SessionNotFoundError": ("errors", "SessionNotFoundError"),
+    "PlaneSpans": ("nativeread", "PlaneSpans"),
+    "Planes": ("nativeread", "Planes"),
     "Spans": ("nativeread", "Spans"),
     "StorageError": ("errors", "StorageError"),
     "StorageWriteError": ("errors", "StorageWriteError"),
@@ -82,7 +84,7 @@ __all__ = [
     "BundleError", "BundleLimits", "CHUNK_FORMAT_VERSION", "ChunkFile", "ChunkHash", "ChunkInfo", "ChunkMeta", "ChunkSource", "ChunkUsage",
     "Converted", "CorruptChunkError", "DebrisReport", "DiskGcReport", "DiskPolicy", "DiskUsage", "FingerprintMismatchError", "GcReport",
     "InvalidSessionIdError", "Lease", "LeaseLostError", "LeasedSession", "LoadedChunk", "MAX_SESSION_ID_LEN", "MessageRecord", "MissingChunkError",
-    "NewChunk", "NewMessage", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
+    "NewChunk", "NewMessage", "PlaneSpans", "Planes", "RemoveResult", "SCHEMA_VERSION", "SaveResult", "SchemaVersionError",
     "SessionBytes", "SessionExistsError", "SessionInfo", "SessionKV", "SessionLockedError",
     "SessionNotFoundError", "Spans", "StorageError", "StorageWriteError", "Store", "StoredKV", "chunk_hash", "collect_garbage",
     "default_db_url", "default_home", "enforce_disk_policy", "export_session", "extract_archive", "import_session",
@@ -114,7 +116,7 @@ if TYPE_CHECKING:
     from .ids import MAX_SESSION_ID_LEN, validate_session_id
     from .leases import Lease
     from .migrations import LATEST_VERSION as SCHEMA_VERSION
-    from .nativeread import Spans
+    from .nativeread import PlaneSpans, Planes, Spans
     from .paths import default_db_url, default_home
     from .records import (
         ChunkInfo,

@@ -525,7 +525,8 @@ class Converted:
     not scaled), computed in float32 and rounded once (to nearest even) to
     ``dtype`` (float32 or bfloat16), fill ``buffers`` in order: writable,
     C-contiguous, together exactly the tensor's elements in ``dtype``, each
-    whole rows (or one :class:`~.nativeread.Spans`, each stretch whole
+    whole rows (or one :class:`~.nativeread.Spans` or
+    :class:`~.nativeread.PlaneSpans`, each stretch whole
     rows). What a quantized tensor dequantizes to, without its codes ever
     being in memory whole (see :mod:`.nativeread`).
 
@@ -605,7 +606,8 @@ class ChunkReader:
                   converted: Mapping[str, Converted] | None = None) -> dict[str, torch.Tensor]:
         """Read every tensor: each one named in ``buffers`` into those writable
         buffers (bytes-like, C-contiguous), which it fills in order and which
-        together hold exactly its bytes (or into one :class:`~.nativeread.Spans`,
+        together hold exactly its bytes (or into one :class:`~.nativeread.Spans`
+        or :class:`~.nativeread.PlaneSpans`,
         its stretches filled in order); each one named in ``converted`` as
         that says (only where :meth:`converts`; its scales and offsets are
         read first);
@@ -644,7 +646,7 @@ class ChunkReader:
                 continue
             if name in buffers:
                 given = buffers[name]
-                bufs = [given] if isinstance(given, nativeread.Spans) else [memoryview(b).cast("B") for b in given]
+                bufs = [given] if isinstance(given, nativeread.STRETCHES) else [memoryview(b).cast("B") for b in given]
                 if sum(nativeread.nbytes_of(b) for b in bufs) != nbytes:
                     raise ValueError(f"buffers for tensor {name!r} hold {sum(nativeread.nbytes_of(b) for b in bufs)} "
                                      f"bytes, the tensor {nbytes}")
@@ -708,7 +710,7 @@ class ChunkReader:
             raise ValueError(f"no conversion of tensor {name!r} from {source} to {target}")
         count = math.prod(shape) * (2 if nibbles else 1)
         row, target_size = converted.row, nativeread.TARGET_TYPES[target][1]
-        if isinstance(converted.buffers, nativeread.Spans):
+        if isinstance(converted.buffers, nativeread.STRETCHES):
             bufs = [converted.buffers]
         else:
             bufs = [memoryview(b).cast("B") for b in converted.buffers]
@@ -897,8 +899,8 @@ def _numpy_dtypes() -> dict[Any, Any]:
 
 
 def _plain(bufs: Sequence[Any]) -> list[Any]:
-    """``bufs`` with any :class:`~.nativeread.Spans` among them as a view per stretch."""
-    return [v for b in bufs for v in (b.views() if isinstance(b, nativeread.Spans) else (b,))]
+    """``bufs`` with any stretches (:data:`~.nativeread.STRETCHES`) among them as a view per stretch."""
+    return [v for b in bufs for v in (b.views() if isinstance(b, nativeread.STRETCHES) else (b,))]
 
 
 def _read_hashed(fd: int, bufs: list[memoryview], offset: int, chunk: ChunkHash, h: Any) -> None:

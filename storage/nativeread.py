@@ -367,12 +367,31 @@ struct chatkv_piece {
     long long spans;  /* 0: its bytes go to addr on; else the address of count int64 offsets from addr, */
     long long sizes;  /* ... and of their count int64 sizes: its bytes fill those stretches in turn */
     long long count;  /* (each stretch whole rows when converted; empty ones skipped) */
+    long long runs;   /* planes (nruns > 0): spans holds count planes' offsets from addr, and this the */
+    long long nruns;  /* ... address of nruns int64 triples (start, end, at): bytes start .. end - 1 of */
+    long long lo;     /* ... each plane are bytes at .. at + end - start - 1 of its runs put end to end; */
+    long long hi;     /* ... the piece fills bytes lo .. hi - 1 of those of each plane in turn */
 };
 
 /* Where piece q's next bytes go: *p and *room (its bytes) for the first
    non-empty stretch from *j on, *j moved past it; -EINVAL past its last. */
 static long long chatkv_stretch(const struct chatkv_piece *q, long long *j, char **p, long long *room)
 {
+    if (q->nruns > 0) {  /* planes: stretch j is run j % nruns of plane j / nruns, cut to lo .. hi - 1 */
+        const long long *starts = (const long long *)(size_t)q->spans, *runs = (const long long *)(size_t)q->runs;
+        while (*j < q->count * q->nruns) {
+            const long long plane = *j / q->nruns, *r = runs + 3 * (*j % q->nruns);
+            const long long x = q->lo > r[2] ? q->lo : r[2];
+            const long long y = q->hi < r[2] + r[1] - r[0] ? q->hi : r[2] + r[1] - r[0];
+            (*j)++;
+            if (x < y) {
+                *p = (char *)(size_t)q->addr + starts[plane] + r[0] + (x - r[2]);
+                *room = y - x;
+                return 0;
+            }
+        }
+        return -(long long)EINVAL;
+    }
     const long long *offsets = (const long long *)(size_t)q->spans, *sizes = (const long long *)(size_t)q->sizes;
     while (*j < q->count && sizes[*j] <= 0)
         (*j)++;
@@ -778,14 +797,157 @@ class Spans:
         return [view[o: o + n] for o, n in zip(self.offsets.tolist(), self.sizes.tolist())]
 
 
+class Planes:
+    """Equal planes of one buffer that each receive the same runs of bytes: a
+    block pool's layers, whose slots for a restore lie in the same runs of
+    each plane (each layer's K, then its V). Checked once when made, so that
+    each read into part of them (:meth:`span`, a :class:`PlaneSpans`) costs a
+    few integer checks, not a check of every stretch: its arrays are copies
+    of its own that cannot be written, and it holds the buffer's export (the
+    buffer cannot be resized while it lives).
+
+    Attributes:
+        memory: the buffer as a writable byte view.
+        starts: int64 array (read-only), each plane's first byte in ``memory``.
+        runs: the byte ranges ``(start, end)`` within a plane, in order.
+        total: the bytes of one plane's runs put end to end.
+    """
+
+    def __init__(self, memory: Any, starts: Any, runs: Sequence[tuple[int, int]]) -> None:
+        """Check and keep ``memory`` (writable, C-contiguous), ``starts``
+        (each plane's offset in it) and ``runs``.
+
+        Raises:
+            TypeError: ``memory`` is read-only.
+            ValueError: it is not C-contiguous, a run is reversed, or a run of
+                a plane lies outside it.
+        """
+        import numpy as np
+
+        view = memoryview(memory)
+        if view.readonly:
+            raise TypeError("planes to be read into are read-only")
+        if not view.c_contiguous:
+            raise ValueError("planes' memory is not C-contiguous")
+        self.memory = view.cast("B")
+        self.starts = np.array(starts, dtype=np.int64).reshape(-1)
+        self.runs = [(int(a), int(b)) for a, b in runs]
+        table = np.zeros((len(self.runs), 3), dtype=np.int64)  # start, end, at: what the C function walks
+        if self.runs:
+            table[:, :2] = self.runs
+            table[1:, 2] = np.cumsum(table[:-1, 1] - table[:-1, 0])
+        self.total = int((table[:, 1] - table[:, 0]).sum())
+        if len(self.runs) and len(self.starts) and (
+                int(table[:, 0].min()) < 0 or bool((table[:, 1] < table[:, 0]).any()) or int(self.starts.min()) < 0
+                or int(self.starts.max()) + int(table[:, 1].max()) > self.memory.nbytes):
+            raise ValueError(f"a run of a plane lies outside its {self.memory.nbytes}-byte buffer")
+        self.starts.setflags(write=False)
+        table.setflags(write=False)
+        self._table = table
+        self._table_address = table.ctypes.data
+        self._export = ctypes.c_char.from_buffer(self.memory) if self.memory.nbytes else None
+        self._address = ctypes.addressof(self._export) if self._export is not None else 0
+        # Each (first, every)'s plane offsets, and their address; each row size
+        # whose whole rows every run holds.
+        self._strided: dict[tuple[int, int], tuple[Any, int]] = {(0, 1): (self.starts, self.starts.ctypes.data)}
+        self._whole: dict[int, bool] = {}
+
+    def span(self, lo: int, hi: int, first: int = 0, every: int = 1) -> "PlaneSpans":
+        """Bytes ``lo .. hi - 1`` of the runs put end to end, of planes
+        ``first``, ``first + every``, ... in turn, as one destination.
+
+        Raises:
+            ValueError: ``lo .. hi`` is not within :attr:`total`, or ``first``
+                not below ``every``.
+        """
+        if not 0 <= lo <= hi <= self.total or not 0 <= first < every:
+            raise ValueError(f"bytes {lo} to {hi} of planes from {first} by {every}: outside {self.total} bytes "
+                             "of runs")
+        strided = self._strided.get((first, every))
+        if strided is None:
+            starts = self.starts[first::every].copy()
+            starts.setflags(write=False)
+            strided = self._strided[(first, every)] = (starts, starts.ctypes.data)
+        return PlaneSpans(self, lo, hi, *strided)
+
+    def whole_rows(self, unit: int) -> bool:
+        """Whether every run holds whole rows of ``unit`` bytes."""
+        whole = self._whole.get(unit)
+        if whole is None:
+            whole = self._whole[unit] = unit > 0 and all((b - a) % unit == 0 for a, b in self.runs)
+        return whole
+
+    def views(self, plane: int, lo: int, hi: int) -> list[memoryview]:
+        """Bytes ``lo .. hi - 1`` of the runs of plane ``plane``, put end to
+        end, as views of :attr:`memory` (empty ones left out)."""
+        return self._views_at(int(self.starts[plane]), lo, hi)
+
+    def _views_at(self, base: int, lo: int, hi: int) -> list[memoryview]:
+        """:meth:`views` of the plane at byte ``base`` of :attr:`memory`."""
+        out = []
+        for a, b, at in self._table.tolist():
+            x, y = max(lo, at), min(hi, at + b - a)
+            if x < y:
+                out.append(self.memory[base + a + x - at: base + a + y - at])
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class PlaneSpans:
+    """One destination of a read: bytes ``lo .. hi - 1`` of the runs of some
+    of a :class:`Planes`' planes (``starts``, theirs), filled plane by plane,
+    as a :class:`Spans` of those stretches would be. Made by
+    :meth:`Planes.span`, which checked it; the C function finds the
+    stretches itself (``address``: that of ``starts``' data)."""
+
+    planes: Planes
+    lo: int
+    hi: int
+    starts: Any
+    address: int
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes all the stretches hold together."""
+        return (self.hi - self.lo) * len(self.starts)
+
+    def views(self) -> list[memoryview]:
+        """The stretches as views of the planes' memory, in order (for reads that take buffers one by one)."""
+        return [v for base in self.starts.tolist() for v in self.planes._views_at(base, self.lo, self.hi)]
+
+    def piece(self, offset: int, conversion: "_Conversion | None", first: int) -> tuple[int, ...]:
+        """The ``struct chatkv_piece`` fields of the piece that fills these
+        stretches from the file at ``offset``: as they are or, with
+        ``conversion``, converted, rows ``first`` on of its tensor.
+
+        Raises:
+            ValueError: a stretch of partial rows (with a conversion), or too few scales or offsets.
+        """
+        planes = self.planes
+        if conversion is None:
+            head: tuple[int, ...] = (planes._address, self.nbytes, offset, 0, 0, 0, 0, 0, 0, 0)
+        else:
+            unit = conversion.convert.row * conversion.target_size
+            if first < 0 or self.lo % unit or self.hi % unit or not planes.whole_rows(unit):
+                raise ValueError(f"a span is not whole rows of {conversion.convert.row} {conversion.convert.target}")
+            head = conversion.piece(planes._address, self.nbytes, offset, first)
+        return (*head, self.address, 0, len(self.starts), planes._table_address, len(planes.runs), self.lo, self.hi)
+
+
+#: The destinations made of many stretches of one buffer.
+STRETCHES = (Spans, PlaneSpans)
+
+
 def nbytes_of(buf: Any) -> int:
-    """The bytes a destination holds: a buffer's, or :attr:`Spans.nbytes`."""
-    return buf.nbytes if isinstance(buf, Spans) else memoryview(buf).nbytes
+    """The bytes a destination holds: a buffer's, or the :attr:`Spans.nbytes`
+    (:attr:`PlaneSpans.nbytes`) of stretches."""
+    return buf.nbytes if isinstance(buf, STRETCHES) else memoryview(buf).nbytes
 
 
 #: long longs in the C source's ``struct chatkv_piece``: addr, len, off,
-#: conv, row, scale, zero, block, phase, group, spans, sizes, count.
-_PIECE_FIELDS = 13
+#: conv, row, scale, zero, block, phase, group, spans, sizes, count, runs,
+#: nruns, lo, hi.
+_PIECE_FIELDS = 17
 
 
 class NativeReads:
@@ -867,7 +1029,12 @@ class NativeReads:
                     raise ValueError("a piece read and not hashed needs an offset and a plain buffer")
                 address, size = self._address(buf, pinned, filled=True)
                 if size:
-                    fields += (address, size, offset, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                    fields += (address, size, offset, -1, 0, 0, 0, 0, 0, 0, *_NOT_STRETCHED)
+                continue
+            if isinstance(buf, PlaneSpans):
+                if offset < 0:
+                    raise ValueError("spans are read into, not only hashed")
+                fields += buf.piece(offset, conversion_of(more[0]) if more else None, more[1] if more else 0)
                 continue
             if isinstance(buf, Spans):
                 if offset < 0:
@@ -888,7 +1055,7 @@ class NativeReads:
                 fields += conversion_of(convert).piece(address, size, offset, first)
             else:
                 fields += (address, size, offset, 0, 0, 0, 0, 0, 0, 0)
-            fields += (0, 0, 0)  # not Spans
+            fields += _NOT_STRETCHED
         count = len(fields) // _PIECE_FIELDS
         packed = array.array("q", fields)  # (far faster than a ctypes array built from the list)
         address = packed.buffer_info()[0]
@@ -1016,7 +1183,11 @@ def _span_piece(spans: Spans, address: int, offset: int, conversion: _Conversion
         if first < 0 or (sizes % (c.row * conversion.target_size)).any():
             raise ValueError(f"a span is not whole rows of {c.row} {c.target}")
         head = conversion.piece(address, total, offset, first)
-    return (*head, offsets.ctypes.data, sizes.ctypes.data, len(sizes))
+    return (*head, offsets.ctypes.data, sizes.ctypes.data, len(sizes), 0, 0, 0, 0)
+
+
+#: The last fields of a ``struct chatkv_piece`` that fills one buffer from its start.
+_NOT_STRETCHED = (0,) * 7
 
 
 _lock = threading.Lock()

@@ -107,6 +107,85 @@ def test_spans_are_filled_stretch_by_stretch_from_one_run_of_the_file(reads: nat
     assert digest == xxhash.xxh3_128(b"head" + data[1_000:9_500] + b"tail").hexdigest()
 
 
+def _planes_spans(planes: nativeread.Planes, lo: int, hi: int, first: int, every: int) -> nativeread.Spans:
+    """What ``planes.span(lo, hi, first, every)`` fills, as a Spans over the same memory."""
+    import numpy as np
+
+    offsets, sizes = [], []
+    for start in planes.starts[first::every].tolist():
+        at = 0
+        for a, b in planes.runs:
+            x, y = max(lo, at), min(hi, at + b - a)
+            if x < y:
+                offsets.append(start + a + x - at)
+                sizes.append(y - x)
+            at += b - a
+    return nativeread.Spans(planes.memory, np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64))
+
+
+@pytest.mark.parametrize("slice_bytes", [7, 4096])
+def test_plane_spans_fill_what_spans_of_their_stretches_fill(reads: nativeread.NativeReads, tmp_path: Path,
+                                                             slice_bytes: int) -> None:
+    """A PlaneSpans (bytes lo .. hi of runs out of order, in planes first,
+    first + every, ...) fills the bytes a Spans of those stretches fills,
+    plainly and converted (int8 rows scaled into float32), with the same
+    digest; its views are those stretches (for reads in Python)."""
+    import numpy as np
+
+    row = 8  # int8 codes a row; 32 bytes once converted to float32
+    data = os.urandom(4_000)
+    scale = np.frombuffer(os.urandom(4 * 40), dtype=np.uint8).view(np.float32).copy()
+    scale[~np.isfinite(scale)] = 0.5
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    runs = [(96, 160), (0, 64), (224, 320)]  # 224 bytes of each plane, whole rows of 32
+    got, want = bytearray(1_600), bytearray(1_600)
+    got_planes = nativeread.Planes(got, [0, 400, 800, 1_200], runs)
+    want_planes = nativeread.Planes(want, [0, 400, 800, 1_200], runs)
+    assert got_planes.total == 224
+    for lo, hi, first, every in ((0, 224, 0, 1), (32, 192, 1, 2), (40, 41, 0, 2), (64, 64, 0, 1)):
+        plane_spans = got_planes.span(lo, hi, first, every)
+        spans = _planes_spans(want_planes, lo, hi, first, every)
+        assert plane_spans.nbytes == spans.nbytes
+        assert [bytes(v) for v in plane_spans.views()] == [bytes(v) for v in spans.views()]
+        with open(path, "rb") as f:
+            a = reads.read_hashed(f.fileno(), [(b"h", -1), (plane_spans, 100)], slice_bytes)
+            b = reads.read_hashed(f.fileno(), [(b"h", -1), (spans, 100)], slice_bytes)
+            assert got == want and a == b
+            if lo % 32 == 0 and hi % 32 == 0:  # whole float32 rows: converted too
+                convert = nativeread.Convert("int8", "float32", row, scale)
+                a = reads.read_hashed(f.fileno(), [(plane_spans, 500, convert, 3)], slice_bytes)
+                b = reads.read_hashed(f.fileno(), [(spans, 500, convert, 3)], slice_bytes)
+                assert got == want and a == b
+    assert got != bytearray(1_600)
+
+
+def test_planes_outside_their_memory_and_partial_rows_are_refused_before_reading(reads: nativeread.NativeReads,
+                                                                                 tmp_path: Path) -> None:
+    """Planes whose runs leave their memory, reversed runs, read-only memory
+    and a span outside the runs are refused when made; a converted span of
+    partial rows when read, before any byte lands."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1_000))
+    memory = bytearray(400)
+    for starts, runs in (([0, 300], [(0, 101)]), ([-1], [(0, 10)]), ([0], [(10, 5)]), ([0], [(-5, 5)])):
+        with pytest.raises(ValueError):
+            nativeread.Planes(memory, starts, runs)
+    with pytest.raises(TypeError, match="read-only"):
+        nativeread.Planes(bytes(400), [0], [(0, 10)])
+    planes = nativeread.Planes(memory, [0, 200], [(0, 96)])
+    for lo, hi, first, every in ((0, 97, 0, 1), (-1, 10, 0, 1), (20, 10, 0, 1), (0, 10, 2, 2)):
+        with pytest.raises(ValueError):
+            planes.span(lo, hi, first, every)
+    convert = nativeread.Convert("int8", "float32", 8, bytearray(4 * 10))
+    with open(path, "rb") as f:
+        with pytest.raises(ValueError, match="whole rows"):
+            reads.read_hashed(f.fileno(), [(bytearray(3), 0), (planes.span(16, 80), 0, convert, 0)], 4096)
+        with pytest.raises(ValueError, match="spans are read into"):
+            reads.read_hashed(f.fileno(), [(planes.span(0, 32), -1)], 4096)
+    assert memory == bytearray(400)
+
+
 def test_an_early_end_a_failed_read_and_a_read_only_target_are_errors(reads: nativeread.NativeReads,
                                                                       tmp_path: Path) -> None:
     path = tmp_path / "f"
