@@ -43,7 +43,7 @@ import xxhash  # imported here, not on the first restore's path (about 1 ms)
 
 from . import nativeread
 from .errors import CorruptChunkError, MissingChunkError, StorageWriteError
-from .hashing import ChunkHash, chunk_hash
+from .hashing import ChunkHash, chunk_hash, packed_chunk_hash
 from .paths import tmp_name
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def _feed(h: Any, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], Sequ
     return total
 
 
+@functools.lru_cache(maxsize=1024)  # (a restore's chunks hash the same few, each read)
 def _entry_header(name: str, dtype: Any, shape: tuple[int, ...]) -> bytes:
     """What the payload checksum hashes before a tensor's bytes: its name, dtype and shape."""
     return f"{name}\0{str(dtype)}\0{shape}\n".encode()
@@ -261,7 +262,9 @@ def atomic_write(path: Path, data: bytes, *, token: str | None = None) -> None:
         ) from e
 
 
+@functools.cache
 def _st_dtypes() -> dict[str, torch.dtype]:
+    """The torch dtype of each safetensors dtype name (one dict, made once: do not change it)."""
     import torch
 
     return {
@@ -375,24 +378,22 @@ def _entries(header: Mapping[str, Any], base: int, size: int
     Raises:
         ValueError: an unknown dtype or offsets outside or inconsistent with the file.
     """
-    import torch
-
     st_dtypes = _st_dtypes()
     out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
     for name, info in header.items():
-        dtype = st_dtypes.get(info.get("dtype")) if isinstance(info, dict) else None
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
-        if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        dtype = st_dtypes.get(info.get("dtype")) if type(info) is dict else None
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if dtype is not None else (None, None)
+        try:  # (a product of JSON numbers is an int only where every one is; of a string, a string)
+            begin, end = offsets if type(offsets) is list else ()
+            count = math.prod(shape) if type(shape) is list else None
+        except (TypeError, ValueError):
+            count = None
+        if type(count) is not int or type(begin) is not int or type(end) is not int:
             raise ValueError(f"bad header entry for tensor {name!r}")
-        dims = tuple(int(dim) for dim in shape)
-        begin, end = int(offsets[0]), int(offsets[1])
-        count = 1
-        for dim in dims:
-            count *= dim
-        itemsize = dtype.itemsize
-        if min(dims, default=0) < 0 or not 0 <= begin <= end or base + end > size or end - begin != count * itemsize:
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or base + end > size \
+                or end - begin != count * dtype.itemsize:
             raise ValueError(f"tensor {name!r} has offsets {offsets} outside or inconsistent with the file")
-        out[name] = (dtype, dims, begin, end)
+        out[name] = (dtype, tuple(shape), begin, end)
     return out
 
 
@@ -414,9 +415,11 @@ def _check_size(size: int, expected_hash: ChunkHash, expected_bytes: int | None)
 
 
 def _checked_identity(md: Mapping[str, str], token_ids: list[int] | None, expected_hash: ChunkHash,
-                      fingerprint: str | None, verify: bool) -> tuple[list[int], ChunkHash | None]:
+                      fingerprint: str | None, verify: bool, packed: bytes | None = None,
+                      ) -> tuple[list[int], ChunkHash | None]:
     """Check a chunk's format, name, fingerprint and token ids (``token_ids``:
-    its int32 token id vector, None where it has none) and, with ``verify``,
+    its int32 token id vector, None where it has none; ``packed``: the same
+    as the file holds them, where the caller has them) and, with ``verify``,
     that its chained hash follows from them; returns ``(token ids, parent)``.
 
     Raises:
@@ -437,7 +440,9 @@ def _checked_identity(md: Mapping[str, str], token_ids: list[int] | None, expect
     parent = ChunkHash(md["parent"]) if md.get("parent") else None
     if verify:
         try:
-            again = chunk_hash(parent, token_ids, md.get("fingerprint", ""), md.get("kv_format", ""))
+            fp, kv_format = md.get("fingerprint", ""), md.get("kv_format", "")
+            again = (chunk_hash(parent, token_ids, fp, kv_format) if packed is None
+                     else packed_chunk_hash(parent, packed, fp, kv_format))
         except ValueError as e:
             raise CorruptChunkError(expected_hash, str(e)) from e
         if again != expected_hash:
@@ -802,7 +807,7 @@ class ChunkReader:
             raise CorruptChunkError(self.hash, "the file ends before its tensors do") from None
 
 def open_chunk_file(
-    path: Path,
+    path: Path | str,
     expected_hash: ChunkHash,
     *,
     expected_bytes: int | None = None,
@@ -845,7 +850,7 @@ def open_chunk_file(
             if len(raw) != end - begin:
                 raise CorruptChunkError(expected_hash, "the file ends before its token ids do")
             token_ids = np.frombuffer(raw, dtype="<i4").tolist()
-        token_ids, parent = _checked_identity(md, token_ids, expected_hash, fingerprint, verify=True)
+        token_ids, parent = _checked_identity(md, token_ids, expected_hash, fingerprint, verify=True, packed=raw)
         return ChunkReader(fd, expected_hash, entries, base, md, token_ids, parent, raw)
     except ValueError as e:
         os.close(fd)

@@ -31,6 +31,12 @@ def chunk_hash(
     first chunk of a sequence), the model fingerprint, the KV format and the
     token ids (int32 little-endian). Pure; no side effects.
     """
+    return packed_chunk_hash(parent, pack_token_ids(token_ids), fingerprint, kv_format)
+
+
+def packed_chunk_hash(parent: str | None, packed: bytes, fingerprint: str, kv_format: str) -> ChunkHash:
+    """:func:`chunk_hash` of the token ids ``packed`` (as :func:`pack_token_ids`
+    packs them: what a chunk file holds). Pure; no side effects."""
     if parent is not None and not is_chunk_hash(parent):
         raise ValueError(f"parent {parent!r} is not a chunk hash")
     h = hashlib.sha256()
@@ -38,7 +44,7 @@ def chunk_hash(
         b = part.encode()
         h.update(len(b).to_bytes(4, "little"))
         h.update(b)
-    h.update(pack_token_ids(token_ids))
+    h.update(packed)
     return ChunkHash(h.hexdigest())
 
 

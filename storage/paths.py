@@ -72,11 +72,18 @@ def chunk_relpath(h: ChunkHash) -> str:
 
 
 def chunk_path(kv_dir: Path, relpath: str) -> Path:
-    """The file a recorded ``relpath`` (``kv/<h[:2]>/<h>.safetensors``) names under ``kv_dir``."""
+    """The file a recorded ``relpath`` (``kv/<h[:2]>/<h>.safetensors``) names
+    under ``kv_dir``. Raises ValueError for any other ``relpath``."""
+    return Path(chunk_file(str(kv_dir), relpath))
+
+
+def chunk_file(kv_dir: str, relpath: str) -> str:
+    """:func:`chunk_path` as a string (a restore opens a chunk a few hundred
+    microseconds apart: a Path costs several of them)."""
     head, sep, rest = relpath.partition("/")
     if head != KV_DIR or not sep:
         raise ValueError(f"not a chunk path: {relpath!r}")
-    return kv_dir / rest
+    return os.path.join(kv_dir, rest)
 
 
 def tmp_name(final_name: str, token: str | None = None) -> str:

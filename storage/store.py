@@ -67,6 +67,7 @@ from .upkeep import StoreUpkeep
 from .paths import (
     CHUNK_SUFFIX,
     QUARANTINE_DIR,
+    chunk_file,
     chunk_path,
     chunk_relpath,
     default_db_url,
@@ -1489,8 +1490,8 @@ class StoredKV:
         off = sum(c.n_tokens for c in self.chunks[:index])
         store = self.store
         with store._quarantined_on_failure(info):
-            reader = open_chunk_file(store.path_of(info), info.hash, expected_bytes=info.bytes,
-                                     fingerprint=self.fingerprint)
+            reader = open_chunk_file(chunk_file(str(store.kv_dir), info.relpath), info.hash,
+                                     expected_bytes=info.bytes, fingerprint=self.fingerprint)
         try:
             store._check_chunk_tokens(info, reader.token_ids, self.token_ids[off: off + info.n_tokens])
         except BaseException:

@@ -470,6 +470,32 @@ def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chu
         assert torch.equal(t, tensors[name])
 
 
+@pytest.mark.parametrize("entry", [{"shape": [2, 2, 4, 2.0, 8]}, {"shape": [2, 2, 4, "2", 8]},
+                                   {"data_offsets": [0.0, 1024]}, {"data_offsets": "0-1024"}])
+def test_a_header_entry_of_other_than_whole_numbers_is_a_corrupt_chunk(store: Store, entry: dict) -> None:
+    """A chunk whose header gives a tensor's shape or offsets as anything but
+    JSON integers (a float, a string), its bytes otherwise intact, is
+    refused when opened and quarantined, not read at offsets it made up."""
+    import json
+
+    ids = list(range(16))
+    info = store.write_chunk(ids, {"kv": torch.randn(2, 2, 4, 2, 8)},
+                             ChunkMeta(FP, "paged-v1", "float32", 16, "none"))
+    path = store.path_of(info)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    header["kv"].update(entry)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    path.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])  # (the same size: headers may end in spaces)
+    store.open_session("s")
+    store.save_kv("s", token_ids=ids, fingerprint=FP, chunks=[info.hash])
+    with pytest.raises(CorruptChunkError, match="not a readable safetensors file"):
+        list(store.open_kv("s", fingerprint=FP))
+    assert not store.has_chunk(info.hash)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_into_converts_scaled_codes_as_it_reads_them(store: Store, chunk_reads, dtype) -> None:
     """A chunk's int8 codes, converted as they are read into the caller's
