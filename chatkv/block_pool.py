@@ -686,12 +686,12 @@ class BlockPool:
         """Where the slots of ``seq``'s tokens ``start .. start + count - 1``
         (reserved, see :meth:`reserve`) lie in the pool's bytes, for a reader
         that fills them straight from a file: ``(the pool's bytes as one
-        writable view, an int64 array of the offset in it of each layer's K
-        plane and V plane in turn, the byte range (start, end) within a plane
-        of each run of consecutive slots, in order)``. The runs of each plane
-        in turn, layer by layer, receive a ``[num_layers, 2, count, kv_heads,
+        writable view, the offset in it of each layer's K plane and V plane
+        in turn (a range), the byte range (start, end) within a plane of each
+        run of consecutive slots, in order)``. The runs of each plane in
+        turn, layer by layer, receive a ``[num_layers, 2, count, kv_heads,
         head_dim]`` tensor's bytes in C order. None where the pool is not in
-        host memory."""
+        host memory. (On a restore's critical path: no numpy here.)"""
         self._check()
         if self.kv.device.type != "cpu":
             return None
@@ -702,18 +702,23 @@ class BlockPool:
         row = h * d * self.kv.element_size()
         plane = nb * bs * row  # one layer's K (or V)
         runs = [(slot * row, (slot + length) * row) for slot, length in self._block_runs(seq, start, count)]
-        return self._bytes, np.arange(0, L * two * plane, plane, dtype=np.int64), runs
+        return self._bytes, range(0, L * two * plane, plane), runs
 
     def _block_runs(self, seq: Sequence, start: int, count: int) -> list[tuple[int, int]]:
         """``(first slot, length)`` of each run of consecutive slots of ``seq``'s
         tokens ``start .. start + count - 1``, in order: ``slot_runs`` of
-        :meth:`_slots`, found from the runs of consecutive blocks (``slot_runs``
-        of the blocks; its blocks must hold them)."""
+        :meth:`_slots`, found from the runs of consecutive blocks (its blocks
+        must hold them)."""
         if count <= 0:
             return []
         bs, end = self.block_size, start + count
         b0, b1 = start // bs, (end - 1) // bs
-        runs = [(block * bs, length * bs) for _, block, length in slot_runs(seq.block_table[b0 : b1 + 1])]
+        runs: list[tuple[int, int]] = []
+        for block in seq.block_table[b0 : b1 + 1]:  # (a restore's hundred-odd blocks: a loop beats numpy's calls)
+            if runs and runs[-1][0] + runs[-1][1] == block * bs:
+                runs[-1] = (runs[-1][0], runs[-1][1] + bs)
+            else:
+                runs.append((block * bs, bs))
         head, tail = start - b0 * bs, (b1 + 1) * bs - end  # the first and last blocks' tokens outside
         runs[0] = (runs[0][0] + head, runs[0][1] - head)
         runs[-1] = (runs[-1][0], runs[-1][1] - tail)

@@ -802,18 +802,21 @@ class Planes:
     block pool's layers, whose slots for a restore lie in the same runs of
     each plane (each layer's K, then its V). Checked once when made, so that
     each read into part of them (:meth:`span`, a :class:`PlaneSpans`) costs a
-    few integer checks, not a check of every stretch: its arrays are copies
-    of its own that cannot be written, and it holds the buffer's export (the
-    buffer cannot be resized while it lives).
+    few integer checks, not a check of every stretch: the offsets and runs
+    are copies of its own, and it holds the buffer's export (the buffer
+    cannot be resized while it lives). Made on a restore's critical path (by
+    the engine's loop, before any chunk is read), so in plain Python: numpy's
+    calls there, each run once a restore with cold caches, cost seven times
+    what they cost in a loop.
 
     Attributes:
         memory: the buffer as a writable byte view.
-        starts: int64 array (read-only), each plane's first byte in ``memory``.
+        starts: each plane's first byte in ``memory`` (a tuple of ints).
         runs: the byte ranges ``(start, end)`` within a plane, in order.
         total: the bytes of one plane's runs put end to end.
     """
 
-    def __init__(self, memory: Any, starts: Any, runs: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, memory: Any, starts: Sequence[int], runs: Sequence[tuple[int, int]]) -> None:
         """Check and keep ``memory`` (writable, C-contiguous), ``starts``
         (each plane's offset in it) and ``runs``.
 
@@ -822,34 +825,30 @@ class Planes:
             ValueError: it is not C-contiguous, a run is reversed, or a run of
                 a plane lies outside it.
         """
-        import numpy as np
-
         view = memoryview(memory)
         if view.readonly:
             raise TypeError("planes to be read into are read-only")
         if not view.c_contiguous:
             raise ValueError("planes' memory is not C-contiguous")
         self.memory = view.cast("B")
-        self.starts = np.array(starts, dtype=np.int64).reshape(-1)
+        self.starts = tuple(int(start) for start in starts)
         self.runs = [(int(a), int(b)) for a, b in runs]
-        table = np.zeros((len(self.runs), 3), dtype=np.int64)  # start, end, at: what the C function walks
-        if self.runs:
-            table[:, :2] = self.runs
-            table[1:, 2] = np.cumsum(table[:-1, 1] - table[:-1, 0])
-        self.total = int((table[:, 1] - table[:, 0]).sum())
-        if len(self.runs) and len(self.starts) and (
-                int(table[:, 0].min()) < 0 or bool((table[:, 1] < table[:, 0]).any()) or int(self.starts.min()) < 0
-                or int(self.starts.max()) + int(table[:, 1].max()) > self.memory.nbytes):
+        table = []  # start, end, at: what the C function walks
+        at = 0
+        for a, b in self.runs:
+            table += (a, b, at)
+            at += b - a
+        self.total = at
+        if self.runs and self.starts and (
+                min(a for a, _ in self.runs) < 0 or any(b < a for a, b in self.runs) or min(self.starts) < 0
+                or max(self.starts) + max(b for _, b in self.runs) > self.memory.nbytes):
             raise ValueError(f"a run of a plane lies outside its {self.memory.nbytes}-byte buffer")
-        self.starts.setflags(write=False)
-        table.setflags(write=False)
-        self._table = table
-        self._table_address = table.ctypes.data
+        self._table = array.array("q", table)  # (never written again: the C function reads it)
         self._export = ctypes.c_char.from_buffer(self.memory) if self.memory.nbytes else None
         self._address = ctypes.addressof(self._export) if self._export is not None else 0
-        # Each (first, every)'s plane offsets, and their address; each row size
-        # whose whole rows every run holds.
-        self._strided: dict[tuple[int, int], tuple[Any, int]] = {(0, 1): (self.starts, self.starts.ctypes.data)}
+        # Each (first, every)'s plane offsets, as the C function reads them; each
+        # row size whose whole rows every run holds.
+        self._strided: dict[tuple[int, int], array.array] = {}
         self._whole: dict[int, bool] = {}
 
     def span(self, lo: int, hi: int, first: int = 0, every: int = 1) -> "PlaneSpans":
@@ -863,12 +862,10 @@ class Planes:
         if not 0 <= lo <= hi <= self.total or not 0 <= first < every:
             raise ValueError(f"bytes {lo} to {hi} of planes from {first} by {every}: outside {self.total} bytes "
                              "of runs")
-        strided = self._strided.get((first, every))
-        if strided is None:
-            starts = self.starts[first::every].copy()
-            starts.setflags(write=False)
-            strided = self._strided[(first, every)] = (starts, starts.ctypes.data)
-        return PlaneSpans(self, lo, hi, *strided)
+        starts = self._strided.get((first, every))
+        if starts is None:
+            starts = self._strided[(first, every)] = array.array("q", self.starts[first::every])
+        return PlaneSpans(self, lo, hi, starts)
 
     def whole_rows(self, unit: int) -> bool:
         """Whether every run holds whole rows of ``unit`` bytes."""
@@ -880,15 +877,17 @@ class Planes:
     def views(self, plane: int, lo: int, hi: int) -> list[memoryview]:
         """Bytes ``lo .. hi - 1`` of the runs of plane ``plane``, put end to
         end, as views of :attr:`memory` (empty ones left out)."""
-        return self._views_at(int(self.starts[plane]), lo, hi)
+        return self._views_at(self.starts[plane], lo, hi)
 
     def _views_at(self, base: int, lo: int, hi: int) -> list[memoryview]:
         """:meth:`views` of the plane at byte ``base`` of :attr:`memory`."""
         out = []
-        for a, b, at in self._table.tolist():
+        at = 0
+        for a, b in self.runs:
             x, y = max(lo, at), min(hi, at + b - a)
             if x < y:
                 out.append(self.memory[base + a + x - at: base + a + y - at])
+            at += b - a
         return out
 
 
@@ -898,13 +897,12 @@ class PlaneSpans:
     of a :class:`Planes`' planes (``starts``, theirs), filled plane by plane,
     as a :class:`Spans` of those stretches would be. Made by
     :meth:`Planes.span`, which checked it; the C function finds the
-    stretches itself (``address``: that of ``starts``' data)."""
+    stretches itself."""
 
     planes: Planes
     lo: int
     hi: int
-    starts: Any
-    address: int
+    starts: array.array
 
     @property
     def nbytes(self) -> int:
@@ -913,7 +911,7 @@ class PlaneSpans:
 
     def views(self) -> list[memoryview]:
         """The stretches as views of the planes' memory, in order (for reads that take buffers one by one)."""
-        return [v for base in self.starts.tolist() for v in self.planes._views_at(base, self.lo, self.hi)]
+        return [v for base in self.starts for v in self.planes._views_at(base, self.lo, self.hi)]
 
     def piece(self, offset: int, conversion: "_Conversion | None", first: int) -> tuple[int, ...]:
         """The ``struct chatkv_piece`` fields of the piece that fills these
@@ -924,6 +922,8 @@ class PlaneSpans:
             ValueError: a stretch of partial rows (with a conversion), or too few scales or offsets.
         """
         planes = self.planes
+        if not self.nbytes:  # (no stretches to walk)
+            return (planes._address, 0, offset, 0, 0, 0, 0, 0, 0, 0, *_NOT_STRETCHED)
         if conversion is None:
             head: tuple[int, ...] = (planes._address, self.nbytes, offset, 0, 0, 0, 0, 0, 0, 0)
         else:
@@ -931,7 +931,8 @@ class PlaneSpans:
             if first < 0 or self.lo % unit or self.hi % unit or not planes.whole_rows(unit):
                 raise ValueError(f"a span is not whole rows of {conversion.convert.row} {conversion.convert.target}")
             head = conversion.piece(planes._address, self.nbytes, offset, first)
-        return (*head, self.address, 0, len(self.starts), planes._table_address, len(planes.runs), self.lo, self.hi)
+        return (*head, self.starts.buffer_info()[0], 0, len(self.starts), planes._table.buffer_info()[0],
+                len(planes.runs), self.lo, self.hi)
 
 
 #: The destinations made of many stretches of one buffer.

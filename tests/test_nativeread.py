@@ -112,7 +112,7 @@ def _planes_spans(planes: nativeread.Planes, lo: int, hi: int, first: int, every
     import numpy as np
 
     offsets, sizes = [], []
-    for start in planes.starts[first::every].tolist():
+    for start in planes.starts[first::every]:
         at = 0
         for a, b in planes.runs:
             x, y = max(lo, at), min(hi, at + b - a)
