@@ -67,7 +67,10 @@ def slot_runs(slots: Seq[int]) -> list[tuple[int, int, int]]:
     consecutive in the pool, so a restore writes each chunk as one slice copy
     per layer instead of an indexed copy per token."""
     n = len(slots)
-    if n > 64:  # a restore's thousands of slots: the breaks found by numpy, not a Python loop
+    # A restore's thousands of slots: the breaks found by numpy, not a Python loop.
+    # Up to a few hundred (a restore's blocks, on the loop before any chunk is
+    # read) the loop: numpy's calls, each made once with cold caches, cost more.
+    if n > 256:
         breaks = (np.flatnonzero(np.diff(np.asarray(slots, dtype=np.int64)) != 1) + 1).tolist()
         starts = [0, *breaks]
         return [(a, int(slots[a]), b - a) for a, b in zip(starts, [*breaks, n])]
@@ -707,18 +710,13 @@ class BlockPool:
     def _block_runs(self, seq: Sequence, start: int, count: int) -> list[tuple[int, int]]:
         """``(first slot, length)`` of each run of consecutive slots of ``seq``'s
         tokens ``start .. start + count - 1``, in order: ``slot_runs`` of
-        :meth:`_slots`, found from the runs of consecutive blocks (its blocks
-        must hold them)."""
+        :meth:`_slots`, found from the runs of consecutive blocks (``slot_runs``
+        of the blocks; its blocks must hold them)."""
         if count <= 0:
             return []
         bs, end = self.block_size, start + count
         b0, b1 = start // bs, (end - 1) // bs
-        runs: list[tuple[int, int]] = []
-        for block in seq.block_table[b0 : b1 + 1]:  # (a restore's hundred-odd blocks: a loop beats numpy's calls)
-            if runs and runs[-1][0] + runs[-1][1] == block * bs:
-                runs[-1] = (runs[-1][0], runs[-1][1] + bs)
-            else:
-                runs.append((block * bs, bs))
+        runs = [(block * bs, length * bs) for _, block, length in slot_runs(seq.block_table[b0 : b1 + 1])]
         head, tail = start - b0 * bs, (b1 + 1) * bs - end  # the first and last blocks' tokens outside
         runs[0] = (runs[0][0] + head, runs[0][1] - head)
         runs[-1] = (runs[-1][0], runs[-1][1] - tail)

@@ -381,7 +381,7 @@ def test_commit_pages_writes_only_free_blocks():
     assert torch.equal(pool.read_tokens(seq, 0, 6), before)
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 64, 65, 300])
+@pytest.mark.parametrize("n", [0, 1, 2, 64, 65, 256, 257, 300])
 def test_slot_runs_cuts_slots_into_consecutive_runs(n):
     rng = random.Random(n)
     slots, at = [], 0
