@@ -1032,17 +1032,15 @@ class NativeReads:
                 if size:
                     fields += (address, size, offset, -1, 0, 0, 0, 0, 0, 0, *_NOT_STRETCHED)
                 continue
-            if isinstance(buf, PlaneSpans):
+            if isinstance(buf, STRETCHES):
                 if offset < 0:
                     raise ValueError("spans are read into, not only hashed")
-                fields += buf.piece(offset, conversion_of(more[0]) if more else None, more[1] if more else 0)
-                continue
-            if isinstance(buf, Spans):
-                if offset < 0:
-                    raise ValueError("spans are read into, not only hashed")
-                address = self._address(buf.check(), pinned, filled=True)[0]
-                fields += _span_piece(buf, address, offset, conversion_of(more[0]) if more else None,
-                                      more[1] if more else 0, pinned)
+                conversion, first = (conversion_of(more[0]), more[1]) if more else (None, 0)
+                if isinstance(buf, PlaneSpans):
+                    fields += buf.piece(offset, conversion, first)
+                else:
+                    address = self._address(buf.check(), pinned, filled=True)[0]
+                    fields += _span_piece(buf, address, offset, conversion, first, pinned)
                 continue
             if offset < 0 and type(buf) is bytes:
                 address, size = at, len(buf)
