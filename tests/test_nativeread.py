@@ -369,7 +369,9 @@ def test_conversions_into_bfloat16_give_the_portable_codes_bits(reads: nativerea
     chatkv's and are converted one by one instead. Random bit patterns of
     every source type (NaNs, infinities and subnormals among them), scales
     that make products subnormal, infinite or NaN, rows of 32 and more with
-    a rest, and int4 codes per block and per group."""
+    a rest, and int4 codes per block and per group; into memory that starts
+    a cache line (where the fast code's stores are non-temporal) and memory
+    that starts two bytes past one."""
     import numpy as np
 
     compiler = nativeread._compiler()
@@ -388,15 +390,18 @@ def test_conversions_into_bfloat16_give_the_portable_codes_bits(reads: nativerea
         path = tmp_path / "codes"
         path.write_bytes(data.tobytes())
         outs = []
-        for library in (reads, portable):
-            out = np.zeros(elements, dtype=np.uint16)
+        for library, shift in ((portable, 0), (reads, 0), (reads, 1)):
+            memory = np.zeros(elements + 64, dtype=np.uint16)
+            start = (-memory.ctypes.data % 64) // 2 + shift  # elements to the line's start, and shift past it
+            out = memory[start: start + elements]
             with open(path, "rb") as f:
                 digest = library.read_hashed(f.fileno(), [(out, 0, convert, 0)], 1 << 14)
             outs.append((out, digest))
-        (fast, fast_digest), (plain, plain_digest) = outs
-        assert fast_digest == plain_digest
-        differ = np.nonzero(fast != plain)[0]
-        assert differ.size == 0, (convert.source, convert.row, differ[:4], fast[differ[:4]], plain[differ[:4]])
+        (plain, plain_digest), *fast_ones = outs
+        for fast, fast_digest in fast_ones:
+            assert fast_digest == plain_digest
+            differ = np.nonzero(fast != plain)[0]
+            assert differ.size == 0, (convert.source, convert.row, differ[:4], fast[differ[:4]], plain[differ[:4]])
 
     sizes = {"int8": 1, "float8_e4m3fn": 1, "float16": 2, "bfloat16": 2, "float32": 4}
     for source, size in sizes.items():
