@@ -41,11 +41,12 @@ as elsewhere; the same bits (the tests compare the two builds). A 256-token
 SmolLM2 chunk's native call into memory not in the CPU's cache took, one
 thread, 0.75x (int4), 0.89x (float16), 0.92x (fp8) and 0.94x (int8) the time
 without them (1.07, 1.37, 1.00 and 0.87 ms; an exact chunk's 1.07 ms).
-Float16 codes into bfloat16, of one size, are read there straight into
-place and converted where they landed, still in the core's cache: the one
-copy an exact read makes, not a copy into the call's memory and another out
-of it (two threads reading a session's eight 256-token chunks: 0.92x to
-0.98x the time, three runs).
+They write whole cache lines of bfloat16 with non-temporal stores, which
+go to memory without reading the line into the cache first: a restore's
+slots are not read again until the next turn's forward. A restore of an
+int8 session from the page cache took 0.92x the time with them, fp8 0.94x,
+int4 0.89x; and float16 codes then convert out of the staging buffer in
+0.94x the time they took read into the slots and converted there.
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
@@ -260,7 +261,9 @@ static inline int chatkv_has_bf16(void)
    slots are read by the next turn's forward, not now), which took a 6 MB
    chunk's int8 codes into bfloat16 slots 0.25 ms against 0.35 (one thread,
    this project's AMD VM); chatkv_read_pieces fences them before it returns.
-   Not for conversions in place, whose lines the read just brought in. */
+   (Float16 codes into bfloat16 slots took 0.94x the time read into the
+   staging buffer and converted out of it so, as against read into their
+   slots and converted there, in restores alternating with each other.) */
 CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512 hi, int stream)
 {
     if (_mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1))  /* QNaN, SNaN, subnormal */
@@ -284,9 +287,7 @@ CHATKV_AVX512_BF16 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *l
 /* load32 gives the elements unit times smaller than load does (a power of
    two: 1, or 256 for e4m3): a row's products are the loaded values times
    unit s in one multiply where that is finite (the same real product,
-   rounded once), else times unit and then s. (in and out may be the same
-   memory: each 32 elements are read before they are written, and the code
-   does not assume they differ.) */
+   rounded once), else times unit and then s. */
 #define CHATKV_FAST_BF16(name, src_t, load, load32, unit, special32)                               \
     CHATKV_AVX512_BF16 static void name(const src_t *in, uint16_t *out, long long rows, long long row, \
                                         const float *scale)                                         \
@@ -301,7 +302,6 @@ CHATKV_AVX512_BF16 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *l
             const float s = scale ? scale[r] : 1.0f, su = s * (unit);                               \
             const int folded = __builtin_isfinite(su);                                              \
             const __m512 vs = _mm512_set1_ps(folded ? su : s), vu = _mm512_set1_ps(unit);            \
-            const int stream = (const void *)in != (const void *)out; /* (not in place) */            \
             long long i = 0;                                                                        \
             for (; i + 32 <= row; i += 32) {                                                        \
                 __m512 lo, hi;                                                                      \
@@ -314,7 +314,7 @@ CHATKV_AVX512_BF16 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *l
                     lo = _mm512_mul_ps(lo, vs);                                                     \
                     hi = _mm512_mul_ps(hi, vs);                                                     \
                 }                                                                                   \
-                if (special32(a + i) || !chatkv_put32(o + i, lo, hi, stream))                      \
+                if (special32(a + i) || !chatkv_put32(o + i, lo, hi, 1))                           \
                     for (long long j = i; j < i + 32; j++)                                          \
                         o[j] = chatkv_bf16(load(a[j]) * s);                                         \
             }                                                                                       \
@@ -329,15 +329,8 @@ CHATKV_FAST_BF16(chatkv_fast_f16_bf16, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPE
 CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
 CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD32_F32, 1.0f, SPECIAL32_NONE)
 #define CHATKV_TO_BF16(fast, portable) (chatkv_has_bf16() ? fast : portable)
-/* Whether elements of type src convert into dst where they lie (chatkv_convert):
-   types of one size into bfloat16, on CPUs with AVX-512 BF16. */
-static inline int chatkv_in_place(long long src, long long dst)
-{
-    return dst == DST_BF16 && (src == SRC_F16 || src == SRC_BF16) && chatkv_has_bf16();
-}
 #else
 #define CHATKV_TO_BF16(fast, portable) portable
-static inline int chatkv_in_place(long long src, long long dst) { (void)src; (void)dst; return 0; }
 #endif
 
 /* int4 codes, two per byte (the low nibble first), half bytes of them:
@@ -415,8 +408,7 @@ static long long chatkv_stretch(const struct chatkv_piece *q, long long *j, char
 }
 
 /* rows rows of row elements at in, converted as conv says (each row times
-   its scale where scale is not NULL) into out: memory of its own, or in
-   itself where chatkv_in_place says it may. */
+   its scale where scale is not NULL) into out (other memory). */
 static void chatkv_convert(long long conv, const void *in, void *out, long long rows, long long row,
                            const float *scale)
 {
@@ -588,9 +580,7 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
    bytes per pread, feeding each slice to the hash as soon as it lands: where
    conv is 0, into addr (or its stretches); else into a staging buffer, from
    which the slice's whole rows are converted into addr (or its stretches; see
-   struct chatkv_piece and the conversions above), or, for types of one size
-   that convert in place (chatkv_in_place), into addr and converted there.
-   Returns the bytes read from fd, -errno after a failed read or allocation
+   struct chatkv_piece and the conversions above). Returns the bytes read from fd, -errno after a failed read or allocation
    (-EINVAL: stretches that do not hold the piece in whole rows), or
    -(1 << 40) when the file ends before the pieces do. */
 static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
@@ -641,12 +631,7 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
         if (per < 1)
             per = 1;
         const long long out_row = q->row * dst_size[dst];
-        /* Types of one size that convert where they lie: each slice read straight
-           into place, hashed and converted there while in the core's cache (the
-           one copy an exact read makes), not copied into the staging buffer and
-           out of it again. */
-        const int in_place = row_bytes == out_row && chatkv_in_place(src, dst);
-        if (!in_place && (size_t)(per * row_bytes) > staged) {
+        if ((size_t)(per * row_bytes) > staged) {
             free(stage);
             staged = (size_t)(per * row_bytes);
             stage = malloc(staged);
@@ -656,7 +641,7 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
             expanded = (size_t)q->row;
             expand = malloc(2 * expanded * sizeof(float));
         }
-        if ((!in_place && !stage) || (src == SRC_U4 && !expand)) {
+        if (!stage || (src == SRC_U4 && !expand)) {
             status = -(long long)ENOMEM;
             break;
         }
@@ -672,7 +657,7 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
                 break;
             }
             size_t want = (size_t)(rows * row_bytes);
-            char *in = in_place ? p : stage;
+            char *in = stage;
             status = chatkv_fill(fd, in, want, at);
             if (status != 0)
                 break;
@@ -1002,9 +987,7 @@ class NativeReads:
         convert, first)`` piece (:class:`Convert`) reads the elements that
         fill ``buffer`` once converted, rows ``first`` on of the tensor
         ``convert`` describes: each slice of whole rows is read into memory
-        of the call's own, hashed there, and converted into ``buffer`` (or,
-        float16 or bfloat16 into bfloat16 on CPUs with AVX-512 BF16, read
-        into ``buffer``, hashed and converted there).
+        of the call's own, hashed there, and converted into ``buffer``.
         In either form the buffer may be :class:`Spans` (filled stretch by
         stretch, the same as a piece per stretch; never only hashed). A
         ``(buffer, offset, None)`` piece (a plain buffer) is filled from
