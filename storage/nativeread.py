@@ -227,16 +227,21 @@ CHATKV_ROWS(chatkv_rows_f32_bf16, float, uint16_t, LOAD_F32, STORE_BF16)
    a row shorter than 32. Each LOADn gives 16 elements as float32, exactly;
    SPECIALn says whether 32 codes hold one that is not a number (e4m3's
    S.1111.111, which the float16 route below would read as a number). */
-static inline int chatkv_has_bf16(void)
+static inline int chatkv_has_avx512(void)  /* (the conversions into float32) */
 {
     static int has = -1;  /* (a race writes the same value) */
     if (has < 0) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
               && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-              && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c");
+              && __builtin_cpu_supports("f16c");
     }
     return has;
+}
+
+static inline int chatkv_has_bf16(void)
+{
+    return chatkv_has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
 #define LOAD16_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
@@ -261,7 +266,7 @@ static inline int chatkv_has_bf16(void)
 
 /* lo and hi (32 products) rounded to bfloat16 into o, 1; or 0, o untouched,
    where one is a NaN or a float32 subnormal (for the caller to convert one by one).
-   With stream, where o is a whole cache line, a non-temporal store: written
+   Where o is a whole cache line, a non-temporal store: written
    to memory without the line being read into the cache first (a restore's
    slots are read by the next turn's forward, not now), which took a 6 MB
    chunk's int8 codes into bfloat16 slots 0.25 ms against 0.35 (one thread,
@@ -269,12 +274,12 @@ static inline int chatkv_has_bf16(void)
    (Float16 codes into bfloat16 slots took 0.94x the time read into the
    staging buffer and converted out of it so, as against read into their
    slots and converted there, in restores alternating with each other.) */
-CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512 hi, int stream)
+CHATKV_AVX512_BF16 static inline int chatkv_put32(uint16_t *o, __m512 lo, __m512 hi)
 {
     if (_mm512_fpclass_ps_mask(lo, 0xa1) | _mm512_fpclass_ps_mask(hi, 0xa1))  /* QNaN, SNaN, subnormal */
         return 0;
     const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    if (stream && ((uintptr_t)o & 63) == 0)
+    if (((uintptr_t)o & 63) == 0)
         _mm512_stream_si512((void *)o, v);
     else
         _mm512_storeu_si512((void *)o, v);
@@ -292,10 +297,13 @@ CHATKV_AVX512 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *lo, __
 /* load32 gives the elements unit times smaller than load does (a power of
    two: 1, or 256 for e4m3): a row's products are the loaded values times
    unit s in one multiply where that is finite (the same real product,
-   rounded once), else times unit and then s. */
-#define CHATKV_FAST_BF16(name, src_t, load, load32, unit, special32)                               \
-    CHATKV_AVX512_BF16 static void name(const src_t *in, uint16_t *out, long long rows, long long row, \
-                                        const float *scale)                                         \
+   rounded once), else times unit and then s; without a scale they are
+   multiplied only where unit is not 1 or always says so. put32 writes 32
+   products as dst_t (or returns 0 for them to be written one by one,
+   each as store writes it); so are any 32 that special32 finds, and the
+   end of a row shorter than 32. */
+#define CHATKV_FAST_ROWS(name, target, dst_t, src_t, load, load32, unit, special32, always, put32, store) \
+    target static void name(const src_t *in, dst_t *out, long long rows, long long row, const float *scale) \
     {                                                                                               \
         if (!scale) {                                                                               \
             row *= rows;                                                                            \
@@ -303,7 +311,7 @@ CHATKV_AVX512 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *lo, __
         }                                                                                           \
         for (long long r = 0; r < rows; r++) {                                                      \
             const src_t *a = in + r * row;                                                          \
-            uint16_t *o = out + r * row;                                                            \
+            dst_t *o = out + r * row;                                                               \
             const float s = scale ? scale[r] : 1.0f, su = s * (unit);                               \
             const int folded = __builtin_isfinite(su);                                              \
             const __m512 vs = _mm512_set1_ps(folded ? su : s), vu = _mm512_set1_ps(unit);            \
@@ -315,18 +323,21 @@ CHATKV_AVX512 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *lo, __
                     lo = _mm512_mul_ps(lo, vu);                                                     \
                     hi = _mm512_mul_ps(hi, vu);                                                     \
                 }                                                                                   \
-                if (scale || (unit) != 1.0f) {                                                      \
+                if (scale || (unit) != 1.0f || (always)) {                                          \
                     lo = _mm512_mul_ps(lo, vs);                                                     \
                     hi = _mm512_mul_ps(hi, vs);                                                     \
                 }                                                                                   \
-                if (special32(a + i) || !chatkv_put32(o + i, lo, hi, 1))                           \
+                if (special32(a + i) || !put32(o + i, lo, hi))                                      \
                     for (long long j = i; j < i + 32; j++)                                          \
-                        o[j] = chatkv_bf16(load(a[j]) * s);                                         \
+                        o[j] = store(load(a[j]) * s);                                               \
             }                                                                                       \
             for (; i < row; i++)                                                                    \
-                o[i] = chatkv_bf16(load(a[i]) * s);                                                 \
+                o[i] = store(load(a[i]) * s);                                                       \
         }                                                                                           \
     }
+#define CHATKV_FAST_BF16(name, src_t, load, load32, unit, special32)                               \
+    CHATKV_FAST_ROWS(name, CHATKV_AVX512_BF16, uint16_t, src_t, load, load32, unit, special32, 0, chatkv_put32, \
+                     chatkv_bf16)
 
 CHATKV_FAST_BF16(chatkv_fast_i8_bf16, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)
 CHATKV_FAST_BF16(chatkv_fast_e4m3_bf16, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)
@@ -335,68 +346,28 @@ CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, 
 CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD32_F32, 1.0f, SPECIAL32_NONE)
 #define CHATKV_TO_BF16(fast, portable) (chatkv_has_bf16() ? fast : portable)
 
-static inline int chatkv_has_avx512(void)
+/* 32 float32 products into o, non-temporally where o starts a cache line
+   (see chatkv_put32); 1. */
+CHATKV_AVX512 static inline int chatkv_put32_f32(float *o, __m512 lo, __m512 hi)
 {
-    static int has = -1;  /* (a race writes the same value) */
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-              && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-              && __builtin_cpu_supports("f16c");
+    if (((uintptr_t)o & 63) == 0) {  /* (and so is o + 16) */
+        _mm512_stream_ps(o, lo);
+        _mm512_stream_ps(o + 16, hi);
+    } else {
+        _mm512_storeu_ps(o, lo);
+        _mm512_storeu_ps(o + 16, hi);
     }
-    return has;
+    return 1;
 }
 
-/* 16 float32 into o, non-temporally where o is a whole cache line (see chatkv_put32). */
-CHATKV_AVX512 static inline void chatkv_put16_f32(float *o, __m512 v)
-{
-    if (((uintptr_t)o & 63) == 0)
-        _mm512_stream_ps(o, v);
-    else
-        _mm512_storeu_ps(o, v);
-}
-
-/* The conversions into float32 of CHATKV_ROWS, 32 elements at a time with
-   AVX-512, written as chatkv_put32 writes bfloat16: the same bits, each
-   product the same float32 multiply (always made, by 1 without a scale, so
-   that a signaling NaN comes out quiet as there), an e4m3 code's value
-   unit times smaller folded into the scale as CHATKV_FAST_BF16 does (the
-   same real product, rounded once); any 32 e4m3 codes holding a NaN are
-   converted one by one, and so is the end of a row shorter than 32. */
+/* The conversions into float32 of CHATKV_ROWS with AVX-512 (BF16 or not),
+   written as chatkv_put32 writes bfloat16: the same bits, each product the
+   same float32 multiply (always made, by 1 without a scale, so that a
+   signaling NaN comes out quiet as there); any 32 e4m3 codes holding a NaN
+   are converted one by one. */
 #define CHATKV_FAST_F32(name, src_t, load, load32, unit, special32)                                \
-    CHATKV_AVX512 static void name(const src_t *in, float *out, long long rows, long long row,      \
-                                   const float *scale)                                             \
-    {                                                                                               \
-        if (!scale) {                                                                               \
-            row *= rows;                                                                            \
-            rows = 1;                                                                               \
-        }                                                                                           \
-        for (long long r = 0; r < rows; r++) {                                                      \
-            const src_t *a = in + r * row;                                                          \
-            float *o = out + r * row;                                                               \
-            const float s = scale ? scale[r] : 1.0f, su = s * (unit);                               \
-            const int folded = __builtin_isfinite(su);                                              \
-            const __m512 vs = _mm512_set1_ps(folded ? su : s), vu = _mm512_set1_ps(unit);            \
-            long long i = 0;                                                                        \
-            for (; i + 32 <= row; i += 32) {                                                        \
-                if (special32(a + i)) {                                                             \
-                    for (long long j = i; j < i + 32; j++)                                          \
-                        o[j] = load(a[j]) * s;                                                      \
-                    continue;                                                                       \
-                }                                                                                   \
-                __m512 lo, hi;                                                                      \
-                load32(a + i, lo, hi);                                                              \
-                if ((unit) != 1.0f && !folded) {                                                    \
-                    lo = _mm512_mul_ps(lo, vu);                                                     \
-                    hi = _mm512_mul_ps(hi, vu);                                                     \
-                }                                                                                   \
-                chatkv_put16_f32(o + i, _mm512_mul_ps(lo, vs));                                     \
-                chatkv_put16_f32(o + i + 16, _mm512_mul_ps(hi, vs));                                \
-            }                                                                                       \
-            for (; i < row; i++)                                                                    \
-                o[i] = load(a[i]) * s;                                                              \
-        }                                                                                           \
-    }
+    CHATKV_FAST_ROWS(name, CHATKV_AVX512, float, src_t, load, load32, unit, special32, 1, chatkv_put32_f32, \
+                     STORE_F32)
 
 CHATKV_FAST_F32(chatkv_fast_i8_f32, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)
 CHATKV_FAST_F32(chatkv_fast_e4m3_f32, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)
@@ -571,7 +542,7 @@ CHATKV_AVX512_BF16 static void chatkv_fast_nibbles_bf16(const uint8_t *__restric
                                         _mm512_loadu_ps(zf + i));
         const __m512 hi = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_HI(w), _mm512_loadu_ps(sf + i + 16)),
                                         _mm512_loadu_ps(zf + i + 16));
-        if (!chatkv_put32(o + i, lo, hi, 1))
+        if (!chatkv_put32(o + i, lo, hi))
             for (long long k = i; k < i + 32; k++)
                 o[k] = chatkv_bf16(CHATKV_NIBBLE(a, k) * sf[k] + zf[k]);
     }
@@ -598,7 +569,7 @@ CHATKV_AVX512_BF16 static void chatkv_fast_groups_bf16(const uint8_t *__restrict
             const __m512i w = chatkv_nibbles32(a + i / 2);
             const __m512 lo = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_LO(w), vs), vz);
             const __m512 hi = _mm512_add_ps(_mm512_mul_ps(CHATKV_CODES_HI(w), vs), vz);
-            if (!chatkv_put32(o + i, lo, hi, 1))
+            if (!chatkv_put32(o + i, lo, hi))
                 for (long long k = i; k < i + 32; k++)
                     o[k] = chatkv_bf16(CHATKV_NIBBLE(a, k) * s + z);
         }
@@ -663,8 +634,9 @@ static long long chatkv_fill(int fd, char *p, size_t want, long long at)  /* 0, 
    bytes per pread, feeding each slice to the hash as soon as it lands: where
    conv is 0, into addr (or its stretches); else into a staging buffer, from
    which the slice's whole rows are converted into addr (or its stretches; see
-   struct chatkv_piece and the conversions above). Returns the bytes read from fd, -errno after a failed read or allocation
-   (-EINVAL: stretches that do not hold the piece in whole rows), or
+   struct chatkv_piece and the conversions above). Returns the bytes read
+   from fd, -errno after a failed read or allocation (-EINVAL: stretches
+   that do not hold the piece in whole rows), or
    -(1 << 40) when the file ends before the pieces do. */
 static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_piece *pieces, long long slice,
                                     void *state, chatkv_update_fn update)
@@ -763,7 +735,7 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
     free(stage);
     free(expand);
 #ifdef CHATKV_BF16_FAST
-    _mm_sfence();  /* the non-temporal stores of chatkv_put32 visible before the caller goes on */
+    _mm_sfence();  /* the conversions' non-temporal stores visible before the caller goes on */
 #endif
     return status != 0 ? status : total;
 }
