@@ -360,8 +360,8 @@ def test_a_new_build_falls_back_without_per_cpu_code_and_removes_stale_libraries
     assert nativeread._build([str(picky)]) == library and os.path.getmtime(library) > 1
 
 
-def test_conversions_into_bfloat16_give_the_portable_codes_bits(reads: nativeread.NativeReads,
-                                                                 tmp_path: Path, monkeypatch) -> None:
+def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeReads, tmp_path: Path,
+                                                       monkeypatch) -> None:
     """Every conversion into bfloat16 gives, bit for bit, what the same
     library built without per-CPU code gives (plain C, one element at a
     time): on a CPU with AVX-512 BF16 the code that rounds 32 at a time with
