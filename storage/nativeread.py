@@ -339,10 +339,15 @@ CHATKV_AVX512 static inline void chatkv_e4m3_32(const uint8_t *p, __m512 *lo, __
     CHATKV_FAST_ROWS(name, CHATKV_AVX512_BF16, uint16_t, src_t, load, load32, unit, special32, 0, chatkv_put32, \
                      chatkv_bf16)
 
-CHATKV_FAST_BF16(chatkv_fast_i8_bf16, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)
-CHATKV_FAST_BF16(chatkv_fast_e4m3_bf16, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)
-CHATKV_FAST_BF16(chatkv_fast_f16_bf16, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPECIAL32_NONE)
-CHATKV_FAST_BF16(chatkv_fast_bf16_bf16, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
+/* The code types both fast conversions read, each once: X(chatkv_fast_<type>_<to>,
+   its C type, loads, unit and special32), for CHATKV_FAST_BF16 and CHATKV_FAST_F32. */
+#define CHATKV_FAST_SOURCES(X, to)                                                                  \
+    X(chatkv_fast_i8_##to, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)                     \
+    X(chatkv_fast_e4m3_##to, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)                \
+    X(chatkv_fast_f16_##to, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPECIAL32_NONE)                    \
+    X(chatkv_fast_bf16_##to, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
+
+CHATKV_FAST_SOURCES(CHATKV_FAST_BF16, bf16)
 CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD32_F32, 1.0f, SPECIAL32_NONE)
 #define CHATKV_TO_BF16(fast, portable) (chatkv_has_bf16() ? fast : portable)
 
@@ -369,10 +374,7 @@ CHATKV_AVX512 static inline int chatkv_put32_f32(float *o, __m512 lo, __m512 hi)
     CHATKV_FAST_ROWS(name, CHATKV_AVX512, float, src_t, load, load32, unit, special32, 1, chatkv_put32_f32, \
                      STORE_F32)
 
-CHATKV_FAST_F32(chatkv_fast_i8_f32, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)
-CHATKV_FAST_F32(chatkv_fast_e4m3_f32, uint8_t, LOAD_E4M3, LOAD32_E4M3, 256.0f, SPECIAL32_E4M3)
-CHATKV_FAST_F32(chatkv_fast_f16_f32, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPECIAL32_NONE)
-CHATKV_FAST_F32(chatkv_fast_bf16_f32, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
+CHATKV_FAST_SOURCES(CHATKV_FAST_F32, f32)
 #define CHATKV_TO_F32(fast, portable) (chatkv_has_avx512() ? fast : portable)
 #else
 #define CHATKV_TO_BF16(fast, portable) portable
