@@ -714,15 +714,14 @@ static long long chatkv_read_pieces(int fd, long long n, const struct chatkv_pie
                 break;
             }
             size_t want = (size_t)(rows * row_bytes);
-            char *in = stage;
-            status = chatkv_fill(fd, in, want, at);
+            status = chatkv_fill(fd, stage, want, at);
             if (status != 0)
                 break;
-            update(state, in, want);
+            update(state, stage, want);
             if (src == SRC_U4) {
-                chatkv_convert_int4(q, done, (const uint8_t *)in, p, rows, expand, expand + expanded);
+                chatkv_convert_int4(q, done, (const uint8_t *)stage, p, rows, expand, expand + expanded);
             } else {
-                chatkv_convert(q->conv, in, p, rows, q->row, sc);
+                chatkv_convert(q->conv, stage, p, rows, q->row, sc);
                 if (sc)
                     sc += rows;
             }
