@@ -372,7 +372,8 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
     with either one's payload. Random bit patterns of
     every source type (NaNs, infinities and subnormals among them), scales
     that make products subnormal, infinite or NaN, rows of 32 and more with
-    a rest, and int4 codes per block and per group; into memory that starts
+    a rest, and int4 codes per block and per group (more than 16 groups a
+    row among them), into either type; into memory that starts
     a cache line (where the fast code's stores are non-temporal) and memory
     that starts two bytes past one."""
     import numpy as np
@@ -426,7 +427,8 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
                 for target in ("bfloat16", "float32") if source != "float32" else ("bfloat16",):
                     both(data, nativeread.Convert(source, target, row, scales if scaled else None), rows * row)
     for row, options in ((192, {"block": 16}), (64, {"block": 16}), (192, {"group": 32}), (192, {"group": 64}),
-                         (64, {"group": 16}), (40, {"group": 8})):
+                         (64, {"group": 16}), (40, {"group": 8}), (1024, {"group": 32}),
+                         (40, {"block": 8})):
         rows = 64
         count = rows // options["block"] * row if "block" in options else rows * row // options["group"]
         scale = rng.standard_normal(count).astype(np.float16)
@@ -434,4 +436,5 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
         scale.view(np.uint16)[::9] = rng.integers(0, 1 << 16, scale[::9].size, dtype=np.uint16)  # any bits
         zero.view(np.uint16)[::10] = rng.integers(0, 1 << 16, zero[::10].size, dtype=np.uint16)
         data = rng.integers(0, 256, rows * row // 2, dtype=np.uint8)
-        both(data, nativeread.Convert("uint4x2", "bfloat16", row, scale, zero, **options), rows * row)
+        for target in ("bfloat16", "float32"):
+            both(data, nativeread.Convert("uint4x2", target, row, scale, zero, **options), rows * row)
