@@ -276,6 +276,8 @@ class TierConfig:
             ``fp8`` or ``int4`` (quantized with :mod:`chatkv.quant`; full blocks
             only, the partial last block stays exact), used only while it
             passes its fidelity floor for the model (else the next finer one).
+            ``bf16`` and ``fp16`` of a model whose KV is already two bytes a
+            value (bfloat16) would save nothing: its chunks are written exact.
     """
 
     device_budget_bytes: int | None = None

@@ -153,6 +153,7 @@ class TierManager:
         self.misses = 0
         self.demotions = {t.value: 0 for t in Tier}
         self._scheme_ok: dict[str, bool] = {}
+        self._exact_casts: set[str] = set()  # formats said to be written exact (effective_disk_scheme)
         self._sessions: dict[str, TieredKV] = {}
 
     def counters(self) -> tuple[dict[str, int], int, dict[str, int]]:
@@ -238,11 +239,18 @@ class TierManager:
 
     def effective_disk_scheme(self) -> str:
         """The quantization scheme of chunks written to disk: ``none`` for
-        ``disk_format="exact"`` and for a cast to the pool's own dtype, else the
-        configured format if it passes its fidelity floor for this model, else
-        the next finer one that does."""
+        ``disk_format="exact"`` and for a cast that saves no bytes (``bf16`` or
+        ``fp16`` of a pool whose KV is already two bytes a value: the KV as
+        computed is as small, loses nothing and restores without a
+        conversion), else the configured format if it passes its fidelity
+        floor for this model, else the next finer one that does."""
         wanted = "none" if self.config.disk_format == "exact" else self.config.disk_format
-        if CAST_DTYPES.get(wanted) == self.engine.pool.kv.dtype:
+        cast, pool = CAST_DTYPES.get(wanted), self.engine.pool.kv.dtype
+        if cast is not None and cast.itemsize >= pool.itemsize:
+            if cast != pool and wanted not in self._exact_casts:
+                self._exact_casts.add(wanted)
+                log.info("disk_format %s saves no bytes over this pool's %s KV: its chunks are written exact",
+                         wanted, str(pool).removeprefix("torch."))
             return "none"
         return self._passing(wanted, DISK_FALLBACK)
 

@@ -231,7 +231,7 @@ def test_a_compact_chunk_is_dequantized_into_its_slots_as_it_is_read(scheme: str
             chat.close()
     (plain, loop_fills), (native_kv, native_fills) = got[False], got[True]
     packed = any(":packed-" in c.kv_format for c in _chunks(f"{scheme}-b")[0])
-    assert packed == (scheme != "bf16" or dtype != torch.bfloat16)  # a bfloat16 model's bf16 chunks are exact
+    assert packed == (scheme not in ("bf16", "fp16") or dtype != torch.bfloat16)  # (a bfloat16 model's are exact)
     assert (loop_fills > 0) == packed and native_fills == 0
     assert any(shared) == packed, shared  # a chunk read past a shared prefix
     for sid in ("a", "b"):
@@ -265,9 +265,21 @@ def test_the_gate_refuses_a_format_below_its_floor() -> None:
     assert {c.quant for c in chunks} == {"none"} and all(":dense" in c.kv_format for c in chunks)
 
 
-def test_a_cast_to_the_models_own_dtype_is_exact() -> None:
-    engine = _engine("bf16", dtype=torch.bfloat16)
+@pytest.mark.parametrize("scheme", ["bf16", "fp16"])
+def test_a_cast_that_saves_no_bytes_is_exact(scheme: str) -> None:
+    """bf16 and fp16 chunks of a bfloat16 model's KV would be as large as
+    its exact ones, and fp16 would lose range: its chunks are written exact
+    (dense, the session exact when restored); a float32 model's are cast."""
+    engine = _engine(scheme, dtype=torch.bfloat16)
     assert engine.call(engine.tiers.effective_disk_scheme) == "none"
+    _converse(engine, f"cast-{scheme}").close()
+    chunks, _ = _chunks(f"cast-{scheme}")
+    assert {c.quant for c in chunks} == {"none"} and all(":dense" in c.kv_format for c in chunks)
+    again = Chat(f"cast-{scheme}", engine=_engine(scheme, dtype=torch.bfloat16), max_new_tokens=8, chunk_tokens=16)
+    assert again.wait_restored().source == "disk" and again._session.kv.seq.exact
+    again.close()
+    wide = _engine(scheme)
+    assert wide.call(wide.tiers.effective_disk_scheme) == scheme
 
 
 # A fresh interpreter: its main thread has run no torch operator yet (pytest's has).
