@@ -5,12 +5,13 @@ default model prefills the same ShareGPT history of about ``--tokens`` tokens
 into a session saved in that format (``Chat.append``); then a fresh engine
 opens it, and the restore (read, unpack, write into the pool) is timed from
 ``RestoreInfo``, ``--repeats`` times, formats interleaved so machine noise hits
-all alike. Reported per format: bytes per token on disk (measured from the
-chunk files), median restore seconds, restore bandwidth (bytes of pool KV made
-resident per second, against plain reads of the same files from the page
-cache, medians of ``--repeats``: into reused 8 MB buffers, and into one buffer
-of their size that, like the pool, is not in the CPU's cache; and each
-restore's bandwidth over that of both reads made right after it, as pairs,
+all alike (every other round in reverse order). Reported per format: bytes
+per token on disk (measured from the chunk files), median restore seconds,
+restore bandwidth (bytes of pool KV made resident per second, against
+plain reads of the same files from the page cache, medians of
+``--repeats``: into reused 8 MB buffers, and into one buffer of their size
+that, like the pool, is not in the CPU's cache; and each restore's
+bandwidth over that of both reads made right after it, as pairs,
 the median ratio with the sign test's interval), the same restore and read
 with the files dropped from the page cache first (``POSIX_FADV_DONTNEED``:
 read from the device, as after a long idle), each compact format's restore
@@ -112,8 +113,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "mean_kl": fid.mean_kl if fid else 0.0}
             e.close()
         cold = "none"
-        for _ in range(args.repeats):
-            for fmt in FORMATS:
+        for round_ in range(args.repeats):
+            # Every other round in reverse, so that no format always follows the same one
+            # (exact, first, followed int4's restore from the device in every round).
+            for fmt in FORMATS if round_ % 2 == 0 else FORMATS[::-1]:
                 for key in ("restore_s", "restore_cold_s"):
                     e = engine(fmt)
                     if key == "restore_cold_s":  # the files read from the device, as after a long idle
