@@ -246,6 +246,8 @@ static inline int chatkv_has_bf16(void)
 
 #define LOAD16_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define LOAD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* The float16 at p in the lanes of mask m (the rest 0), not reading past them. */
+#define LOAD16_F16_FIRST(p, m) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p))
 #define LOAD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(          \
                                                                 (const __m256i *)(p))), 16))
 #define LOAD16_F32(p) _mm512_loadu_ps(p)
@@ -398,10 +400,10 @@ CHATKV_AVX512 static void chatkv_fast_f16_run(const uint16_t *__restrict h, floa
 {
     long long j = 0;
     for (; j + 16 <= n; j += 16)
-        _mm512_storeu_ps(f + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + j))));
+        _mm512_storeu_ps(f + j, LOAD16_F16(h + j));
     if (j < n) {
         const __mmask16 m = (__mmask16)((1u << (n - j)) - 1u);
-        _mm512_mask_storeu_ps(f + j, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + j)));
+        _mm512_mask_storeu_ps(f + j, m, LOAD16_F16_FIRST(h + j, m));
     }
 }
 #endif
@@ -596,8 +598,8 @@ CHATKV_AVX512_BF16 static void chatkv_fast_groups_bf16(const uint8_t *__restrict
     const __mmask16 m = (__mmask16)((1u << groups) - 1u);
     float sg[16], zg[16];  /* the row's scales and offsets, widened at once */
     for (long long r = 0; r < rows; r++, a += row / 2, o += row) {
-        _mm512_storeu_ps(sg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scale + r * groups)));
-        _mm512_storeu_ps(zg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + r * groups)));
+        _mm512_storeu_ps(sg, LOAD16_F16_FIRST(scale + r * groups, m));
+        _mm512_storeu_ps(zg, LOAD16_F16_FIRST(zero + r * groups, m));
         for (long long i = 0; i < row; i += 32) {
             const float s = sg[i / group], z = zg[i / group];
             const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
