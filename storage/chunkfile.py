@@ -583,6 +583,9 @@ class ChunkReader:
         self._ids_entry = (_entry_header(TOKEN_IDS_KEY, torch.int32, (len(token_ids),)),
                            [ids_bytes] if ids_bytes else [])
         self._spans = {name: (base + begin, end - begin) for name, (_, _, begin, end) in entries.items()}
+        self._base = base
+        # What a templated read's layout depends on (see _templated).
+        self._layout = (tuple(entries.items()), len(ids_bytes))
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}
 
@@ -635,6 +638,10 @@ class ChunkReader:
         import torch
 
         converted = converted or {}
+        if converted:
+            read = self._templated(buffers, converted)
+            if read is not None:
+                return read.run(self, buffers, converted, verify)
         unknown = (set(buffers) | set(converted)) - set(self.shapes)
         if unknown:
             raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
@@ -693,6 +700,44 @@ class ChunkReader:
                 _read_hashed(self._fd, _plain(bufs), offset, self.hash, h)
         _check_checksum(self.metadata, h, self.hash)
         return fresh
+
+    def _templated(self, buffers: Mapping[str, Any], converted: Mapping[str, Converted]) -> "_TemplatedRead | None":
+        """The :class:`_TemplatedRead` of this converted read where it can be
+        one (the native reads ready, an xxh3-128 checksum, every destination
+        a :class:`~.nativeread.PlaneSpans` or an empty list, every tensor
+        read into memory of a type numpy has): made and checked the first
+        time its layout comes, then kept (a restore's full chunks share
+        one). None otherwise (:meth:`read_into` then builds the read afresh).
+
+        Raises:
+            ValueError: the read does not fit the chunk (as :meth:`read_into`).
+        """
+        native = nativeread.reader()
+        if native is None or not (self.metadata.get("checksum") or "").startswith("xxh3_128:"):
+            return None
+        spans = nativeread.PlaneSpans
+        key: list[Any] = [self._layout]
+        for name, c in converted.items():
+            b = c.buffers
+            if type(b) is not spans:
+                return None
+            key.append(("converted", name, c.dtype, c.row, c.scale, c.zero, c.block, c.group, b.hi - b.lo,
+                        len(b.starts)))
+        for name, b in buffers.items():
+            if type(b) is spans:
+                key.append(("into", name, b.hi - b.lo, len(b.starts)))
+            elif type(b) is list and not b:
+                key.append(("into", name, 0, 0))
+            else:
+                return None
+        frozen = tuple(key)
+        read = _TEMPLATED.get(frozen, _UNMADE)
+        if read is _UNMADE:
+            read = _TemplatedRead.make(self, buffers, converted)
+            if len(_TEMPLATED) >= _TEMPLATED_MOST:
+                _TEMPLATED.clear()
+            _TEMPLATED[frozen] = read
+        return read
 
     def _conversion(self, name: str, converted: Converted) -> tuple[list[Any], nativeread.Convert]:
         """``converted``'s buffers as C-contiguous byte views, and their
@@ -805,6 +850,148 @@ class ChunkReader:
             return native.read_hashed(self._fd, pieces, HASHED_READ_BYTES)
         except EOFError:
             raise CorruptChunkError(self.hash, "the file ends before its tensors do") from None
+
+
+class _TemplatedRead:
+    """A converted :meth:`ChunkReader.read_into` worked out once for a layout
+    of chunk and destinations (:meth:`ChunkReader._templated`), run for each
+    chunk that has it: its pieces a :class:`~.nativeread.PieceTemplate`, the
+    tensors read into memory in one scratch buffer a call, the bytes only
+    hashed (the tensors' headers and the token ids) in one blob. The same
+    reads, checks and checksum, in the same order, as the read built afresh.
+    """
+
+    def __init__(self, template: nativeread.PieceTemplate, before: bytes, after: bytes, scratch: int,
+                 fresh: list[tuple[str, int, int, Any, tuple[int, ...]]], dests: list[tuple[bool, str]]) -> None:
+        """See :meth:`make`."""
+        self.template = template
+        self.before, self.after = before, after  # the blob's bytes before and after the token ids
+        self.scratch = scratch
+        self.fresh = fresh  # (name, at, bytes, numpy dtype, shape) of each tensor read into the scratch
+        self.dests = dests  # (converted?, name) of each destination, in the template's order
+
+    @classmethod
+    def make(cls, reader: ChunkReader, buffers: Mapping[str, Any], converted: Mapping[str, Converted],
+             ) -> "_TemplatedRead | None":
+        """The read of ``converted`` and ``buffers`` (each a PlaneSpans or an
+        empty list) from ``reader``'s layout, after every check
+        :meth:`ChunkReader.read_into` makes; None where a tensor read into
+        memory has no numpy dtype.
+
+        Raises:
+            ValueError: as :meth:`ChunkReader.read_into`.
+        """
+        import numpy as np
+
+        unknown = (set(buffers) | set(converted)) - set(reader.shapes)
+        if unknown:
+            raise ValueError(f"chunk {reader.hash[:12]} has no tensor {sorted(unknown)}")
+        plans = {name: reader._conversion(name, c) for name, c in converted.items()}
+        scales = {p for c in converted.values() for p in (c.scale, c.zero) if p is not None}
+        if scales & (set(buffers) | set(converted)):
+            raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
+                             "not into buffers or converted")
+        numpy_dtypes = _numpy_dtypes()
+        fresh: list[tuple[str, int, int, Any, tuple[int, ...]]] = []
+        at = 0
+        for name, (_, nbytes) in reader._spans.items():
+            if name in buffers:
+                held = buffers[name].nbytes if buffers[name] else 0  # (a PlaneSpans or an empty list)
+                if held != nbytes:
+                    raise ValueError(f"buffers for tensor {name!r} hold {held} bytes, the tensor {nbytes}")
+            elif name not in converted:
+                dtype, shape = reader.shapes[name]
+                if dtype not in numpy_dtypes:
+                    return None
+                fresh.append((name, at, nbytes, numpy_dtypes[dtype], shape))
+                at += -(-nbytes // 64) * 64  # (each one aligned for any dtype)
+        scratch = np.empty(at, dtype=np.uint8)
+        address = scratch.ctypes.data
+        arrays = {name: scratch[a: a + n].view(dt).reshape(shape) for name, a, n, dt, shape in fresh}
+        where = {name: (a, n) for name, a, n, _, _ in fresh}
+        template = nativeread.PieceTemplate()
+        base = reader._base
+        for name in scales:  # read first, not hashed; hashed from memory in their turn
+            a, n = where[name]
+            if n:
+                template.add_read(a, n, reader._spans[name][0] - base, hashed=False)
+        blob: list[bytes] = []
+        ids_at = -1
+        dests: list[tuple[bool, str]] = []
+
+        def hash_in_blob(data: bytes) -> None:
+            if data:
+                template.add_hashed(sum(map(len, blob)), len(data), in_blob=True)
+                blob.append(data)
+
+        # In the checksum's order (_checksum_plan's: names sorted, the token ids among them).
+        for name in sorted([*reader._spans, TOKEN_IDS_KEY]):
+            if name == TOKEN_IDS_KEY:
+                header, ids = reader._ids_entry
+                hash_in_blob(header)
+                ids_at = len(blob)
+                if ids:
+                    template.add_hashed(sum(map(len, blob)), len(ids[0]), in_blob=True)
+                    blob.append(ids[0])
+                continue
+            hash_in_blob(_entry_header(name, *reader.shapes[name]))
+            offset = reader._spans[name][0] - base
+            if name in converted:
+                (dest,), convert = plans[name]
+                if dest.nbytes:
+                    template.add_into(len(dests), dest.nbytes, offset,
+                                      reader._scaled(convert, converted[name], arrays), address)
+                    dests.append((True, name))
+            elif name in buffers:
+                dest = buffers[name]
+                if dest and dest.nbytes:
+                    template.add_into(len(dests), dest.nbytes, offset)
+                    dests.append((False, name))
+            else:
+                a, n = where[name]
+                if not n:
+                    continue
+                if name in scales:
+                    template.add_hashed(a, n, in_blob=False)
+                else:
+                    template.add_read(a, n, offset, hashed=True)
+        before = b"".join(blob[:ids_at])
+        after = b"".join(blob[ids_at + 1:] if reader._ids_entry[1] else blob[ids_at:])
+        return cls(template, before, after, at, fresh, dests)
+
+    def run(self, reader: ChunkReader, buffers: Mapping[str, Any], converted: Mapping[str, Converted],
+            verify: bool) -> dict[str, torch.Tensor]:
+        """:meth:`ChunkReader.read_into` of ``buffers`` and ``converted``
+        (whose layout this was made for) from ``reader``.
+
+        Raises:
+            ValueError: a destination converted into is not whole rows (nothing was read).
+            CorruptChunkError: as :meth:`ChunkReader.read_into`.
+        """
+        import numpy as np
+        import torch
+
+        scratch = np.empty(self.scratch, dtype=np.uint8)
+        ids = reader._ids_entry[1]
+        blob = self.before + ids[0] + self.after if ids else self.before + self.after
+        dests = [converted[name].buffers if into else buffers[name] for into, name in self.dests]
+        fields = self.template.fields(reader._base, scratch.ctypes.data, nativeread.bytes_address(blob), dests)
+        native = nativeread.reader()
+        try:
+            hexdigest = native.read_fields(reader._fd, fields, HASHED_READ_BYTES)  # type: ignore[union-attr]
+        except EOFError:
+            raise CorruptChunkError(reader.hash, "the file ends before its tensors do") from None
+        if verify:
+            _check_hexdigest(reader.metadata, hexdigest, reader.hash)
+        return {name: torch.from_numpy(scratch[a: a + n].view(dt).reshape(shape))
+                for name, a, n, dt, shape in self.fresh}
+
+
+#: The templated reads made so far, by layout (:meth:`ChunkReader._templated`).
+_TEMPLATED: dict[tuple[Any, ...], _TemplatedRead | None] = {}
+_TEMPLATED_MOST = 64
+_UNMADE = object()
+
 
 def open_chunk_file(
     path: Path | str,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -175,11 +176,15 @@ def store(home: Path):
 
 
 class ChunkReads:
-    """Which way a test's chunk reads go (:func:`chunk_reads`), and how many native calls they made."""
+    """Which way a test's chunk reads go (:func:`chunk_reads`), and how many
+    native calls they made: ``native_calls`` through ``read_hashed`` (refused
+    ones among them), ``templated_calls`` straight through ``read_fields``
+    (a templated read's)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.native_calls = 0
+        self.templated_calls = 0
 
 
 @pytest.fixture(params=["python", "native"])
@@ -194,12 +199,23 @@ def chunk_reads(request, monkeypatch) -> ChunkReads:
         monkeypatch.setattr(nativeread, "reader", lambda: None)
         return mode
     reads = request.getfixturevalue("native_reads")  # (skips, or fails where they are required)
-    real = reads.read_hashed
+    real, real_fields = reads.read_hashed, reads.read_fields
+    inside = threading.local()  # (read_hashed's own call of read_fields is not a templated one)
 
     def counted(*args, **kwargs):
         mode.native_calls += 1
-        return real(*args, **kwargs)
+        inside.hashed = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside.hashed = False
+
+    def counted_fields(*args, **kwargs):
+        if not getattr(inside, "hashed", False):
+            mode.templated_calls += 1
+        return real_fields(*args, **kwargs)
 
     monkeypatch.setattr(reads, "read_hashed", counted)
+    monkeypatch.setattr(reads, "read_fields", counted_fields)
     monkeypatch.setattr(nativeread, "reader", lambda: reads)
     return mode

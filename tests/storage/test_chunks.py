@@ -346,6 +346,65 @@ def test_converted_spans_convert_as_buffers_do(store: Store, chunk_reads) -> Non
         source.read_into({}, converted={"codes": Converted(partial, torch.bfloat16, 8, "scale")})
 
 
+def test_templated_converted_reads_match_reads_built_afresh(store: Store, chunk_reads) -> None:
+    """A converted read into PlaneSpans (a restore's: worked out once per
+    layout, then only filled in) lands what the same read into plain buffers
+    lands, for two chunks of one layout whose headers differ in length (the
+    second has a parent); its scales and other tensors come back read; a
+    flipped code is a checksum mismatch; a destination of partial rows is
+    refused before anything is read."""
+    from chatkv.storage import Converted, Planes
+    from chatkv.storage import chunkfile as cf
+
+    if chunk_reads.path == "python":
+        pytest.skip("conversions need the native reads")
+    cf._TEMPLATED.clear()
+    codes = [torch.randint(-127, 128, (6, 8), dtype=torch.int8) for _ in range(2)]
+    scales = [torch.rand(6) / 100 for _ in range(2)]
+    extra = torch.arange(5, dtype=torch.int32)
+    store.open_session("s")
+    r = store.save_kv("s", token_ids=list(range(40)), fingerprint=FP, chunks=[
+        NewChunk(20, {"codes": c, "scale": sc, "extra": extra, "tail": torch.zeros(0, 8, dtype=torch.bfloat16)},
+                 META) for c, sc in zip(codes, scales)])
+    row = 8 * 2  # bfloat16 bytes a row
+    runs = [(9 * row, 11 * row), (0, 3 * row), (4 * row, 5 * row)]  # six rows, out of order
+    memory = bytearray(2 * 12 * row)
+    planes = Planes(memory, [0, 12 * row], runs)
+    sources = list(store.open_kv("s"))
+    assert sources[0]._reader._base != sources[1]._reader._base
+    for i, source in enumerate(sources):
+        fresh = source.read_into({"tail": []}, converted={
+            "codes": Converted(planes.span(0, 6 * row, i, 2), torch.bfloat16, 8, "scale")})
+        assert set(fresh) == {"scale", "extra"} and torch.equal(fresh["scale"], scales[i])
+        assert torch.equal(fresh["extra"], extra)
+        got = torch.frombuffer(memory, dtype=torch.bfloat16).view(2, 12, 8)[i]
+        want = (codes[i].float() * scales[i][:, None]).to(torch.bfloat16)
+        assert torch.equal(torch.cat([got[9:11], got[0:3], got[4:5]]), want)
+    assert chunk_reads.templated_calls == 2 and chunk_reads.native_calls == 0 and len(cf._TEMPLATED) == 1
+    # The same reads built afresh (plain buffers), into memory of their own: the same bytes.
+    plain = bytearray(2 * 12 * row)
+    for i, source in enumerate(store.open_kv("s")):
+        views = [memoryview(plain)[i * 12 * row + a: i * 12 * row + b] for a, b in runs]
+        source.read_into({"tail": []}, converted={"codes": Converted(views, torch.bfloat16, 8, "scale")})
+    assert plain == memory and chunk_reads.native_calls == 2
+    partial = Planes(memory, [0, 12 * row], [(0, row + 2), (100, 5 * row + 100 - 2)])
+    before = bytes(memory)
+    (source, _) = list(store.open_kv("s"))
+    with pytest.raises(ValueError, match="whole rows"):
+        source.read_into({"tail": []}, converted={
+            "codes": Converted(partial.span(0, 6 * row, 0, 2), torch.bfloat16, 8, "scale")})
+    assert bytes(memory) == before and chunk_reads.templated_calls == 2
+    path = store.path_of(r.chunks[1])
+    data = bytearray(path.read_bytes())
+    data[data.find(codes[1].numpy().tobytes()) + 9] ^= 0x01
+    path.write_bytes(bytes(data))
+    (_, source) = list(store.open_kv("s"))
+    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
+        source.read_into({"tail": []}, converted={
+            "codes": Converted(planes.span(0, 6 * row, 1, 2), torch.bfloat16, 8, "scale")})
+    assert chunk_reads.templated_calls == 3
+
+
 def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
     """Each chunk's file is closed once it is read, refused before reading,
     or found corrupt."""
