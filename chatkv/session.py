@@ -162,10 +162,11 @@ def _common(a: list[Message], b: list[Message]) -> int:
 
 
 def _prefix_of(snap: Snapshot, saved: SavedKV) -> bool:
-    """Whether the KV ``snap`` would write is a shorter prefix of what the store
-    already holds (``saved``), in the same window."""
+    """Whether the KV ``snap`` would write is a prefix of what the store
+    already holds (``saved``), in the same window: shorter, or the same tokens
+    (a session restored and closed without a turn)."""
     n = len(snap.token_ids)
-    return snap.shift == saved.shift and n < len(saved.token_ids) and saved.token_ids[:n] == snap.token_ids
+    return snap.shift == saved.shift and n <= len(saved.token_ids) and saved.token_ids[:n] == snap.token_ids
 
 
 def _log_failure(future: "Future[object]") -> None:
@@ -595,10 +596,12 @@ class Session:
     def persist(self, stats: TurnStats | None = None, *, shrink: bool = False) -> None:
         """Save what the store lacks: the history (rewritten from the first
         message that differs, in one transaction), then the KV chunks, if the
-        KV is on the device. A device KV that is only a shorter prefix of the
-        stored one (a restore that chose to recompute, or that the pool could
-        hold only part of, and no turn since) leaves the stored KV as it is:
-        writing it would throw away KV that is still valid. With ``shrink`` (a
+        KV is on the device. A device KV that is only a prefix of the stored
+        one (a restore that chose to recompute, or that the pool could hold
+        only part of, and no turn since) leaves the stored KV as it is:
+        writing it would throw away KV that is still valid; so does one of
+        the same tokens (restored, no turn since), which would only write
+        the last, partial chunk again. With ``shrink`` (a
         rewritten history) it is written, so the stored KV past the new
         history goes too. Storage failures warn and leave the in-memory
         conversation intact (the next save retries). The caller holds :attr:`lock`.

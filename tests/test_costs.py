@@ -167,3 +167,21 @@ def test_a_session_left_without_a_turn_keeps_its_stored_kv_whole(how: str, caplo
     again.send("One more.")
     assert again.last_stats.token_ids == want
     again.close()
+
+
+def test_a_session_restored_and_closed_without_a_turn_writes_nothing() -> None:
+    """Closing a session whose KV was restored whole, with no turn since,
+    leaves its chunk files as they are: the device holds no token the store
+    lacks. (It used to write the last, partial chunk again, fsync and all.)"""
+    _stored_session("s")
+    store = default_store()
+    chunks = [c.hash for c in store.kv_chunks("s")]
+    files = {h: store.path_of(h).stat().st_mtime_ns for h in chunks}
+    engine = Engine(load_model("tiny:llama"), EngineConfig(num_blocks=256, block_size=4, restore_policy="restore"))
+    chat = Chat("s", engine=engine, max_new_tokens=8, chunk_tokens=16)
+    restored = chat.wait_restored()
+    assert restored.decision == "restore" and restored.cached_tokens == store.get_session("s").n_cached
+    chat.close()
+    engine.close()
+    assert [c.hash for c in store.kv_chunks("s")] == chunks
+    assert {h: store.path_of(h).stat().st_mtime_ns for h in chunks} == files
