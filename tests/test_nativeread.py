@@ -422,10 +422,14 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
                 keep = rng.random(numbers.size) < 0.8
                 data[keep] = numbers[keep]
             scales = rng.random(rows).astype(np.float32) * 0.05
+            # Tame scales (each times 256 finite: e4m3's one-multiply path in one flat loop
+            # where rows are whole 32s), then wild ones (not finite, or not once times 256).
+            tame = scales.copy()
+            tame[::7], tame[::11] = 1e-40, 0
             scales[::7], scales[::11], scales[::13], scales[::17], scales[::19] = 1e-40, 0, np.inf, np.nan, 3e38
-            for scaled in (True, False) if source in ("int8", "float8_e4m3fn") else (False,):
+            for scaled in (tame, scales, None) if source in ("int8", "float8_e4m3fn") else (None,):
                 for target in ("bfloat16", "float32") if source != "float32" else ("bfloat16",):
-                    both(data, nativeread.Convert(source, target, row, scales if scaled else None), rows * row)
+                    both(data, nativeread.Convert(source, target, row, scaled), rows * row)
     for row, options in ((192, {"block": 16}), (64, {"block": 16}), (192, {"group": 32}), (192, {"group": 64}),
                          (64, {"group": 16}), (40, {"group": 8}), (1024, {"group": 32}),
                          (40, {"block": 8})):
