@@ -642,14 +642,7 @@ class ChunkReader:
             read = self._templated(buffers, converted)
             if read is not None:
                 return read.run(self, buffers, converted, verify)
-        unknown = (set(buffers) | set(converted)) - set(self.shapes)
-        if unknown:
-            raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
-        plans = {name: self._conversion(name, c) for name, c in converted.items()}
-        scales = {p for c in converted.values() for p in (c.scale, c.zero) if p is not None}
-        if scales & (set(buffers) | set(converted)):
-            raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
-                             "not into buffers or converted")
+        plans, scales = self._checked(buffers, converted)
         fresh: dict[str, torch.Tensor] = {}
         arrays: dict[str, Any] = {}  # fresh ones numpy made, by name (numpy views of them)
         views: dict[str, list[memoryview]] = {}
@@ -700,6 +693,26 @@ class ChunkReader:
                 _read_hashed(self._fd, _plain(bufs), offset, self.hash, h)
         _check_checksum(self.metadata, h, self.hash)
         return fresh
+
+    def _checked(self, buffers: Mapping[str, Any], converted: Mapping[str, Converted],
+                 ) -> tuple[dict[str, tuple[list[Any], nativeread.Convert]], set[str]]:
+        """:meth:`read_into`'s checks of the names it is given: each converted
+        tensor's :meth:`_conversion`, by name, and the names of the scales
+        and offsets they need (read into new memory).
+
+        Raises:
+            ValueError: an unknown tensor, a conversion that does not fit, or
+                scales named among ``buffers`` or ``converted``.
+        """
+        unknown = (set(buffers) | set(converted)) - set(self.shapes)
+        if unknown:
+            raise ValueError(f"chunk {self.hash[:12]} has no tensor {sorted(unknown)}")
+        plans = {name: self._conversion(name, c) for name, c in converted.items()}
+        scales = {p for c in converted.values() for p in (c.scale, c.zero) if p is not None}
+        if scales & (set(buffers) | set(converted)):
+            raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
+                             "not into buffers or converted")
+        return plans, scales
 
     def _templated(self, buffers: Mapping[str, Any], converted: Mapping[str, Converted]) -> "_TemplatedRead | None":
         """The :class:`_TemplatedRead` of this converted read where it can be
@@ -883,14 +896,7 @@ class _TemplatedRead:
         """
         import numpy as np
 
-        unknown = (set(buffers) | set(converted)) - set(reader.shapes)
-        if unknown:
-            raise ValueError(f"chunk {reader.hash[:12]} has no tensor {sorted(unknown)}")
-        plans = {name: reader._conversion(name, c) for name, c in converted.items()}
-        scales = {p for c in converted.values() for p in (c.scale, c.zero) if p is not None}
-        if scales & (set(buffers) | set(converted)):
-            raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
-                             "not into buffers or converted")
+        plans, scales = reader._checked(buffers, converted)
         numpy_dtypes = _numpy_dtypes()
         fresh: list[tuple[str, int, int, Any, tuple[int, ...]]] = []
         at = 0
