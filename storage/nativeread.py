@@ -383,7 +383,7 @@ static inline int chatkv_folds(const float *scale, long long n, float unit)
    its C type, loads, unit and special32), for CHATKV_FAST_BF16 and CHATKV_FAST_F32. */
 #define CHATKV_FAST_SOURCES(X, to)                                                                  \
     X(chatkv_fast_i8_##to, int8_t, LOAD_INT8, LOAD32_INT8, 1.0f, SPECIAL32_NONE)                     \
-    X(chatkv_fast_e4m3_##to, uint8_t, LOAD_E4M3, LOAD32_E4M3, 0x1p120f, SPECIAL32_E4M3)                \
+    X(chatkv_fast_e4m3_##to, uint8_t, LOAD_E4M3, LOAD32_E4M3, 0x1p120f, SPECIAL32_E4M3)              \
     X(chatkv_fast_f16_##to, uint16_t, LOAD_F16, LOAD32_F16, 1.0f, SPECIAL32_NONE)                    \
     X(chatkv_fast_bf16_##to, uint16_t, LOAD_BF16, LOAD32_BF16, 1.0f, SPECIAL32_NONE)
 
