@@ -937,8 +937,7 @@ class _TemplatedRead:
                 hash_in_blob(header)
                 ids_at = len(blob)
                 if ids:
-                    template.add_hashed(sum(map(len, blob)), len(ids[0]), in_blob=True)
-                    blob.append(ids[0])
+                    hash_in_blob(ids[0])
                 continue
             hash_in_blob(_entry_header(name, *reader.shapes[name]))
             offset = reader._spans[name][0] - base
