@@ -405,6 +405,50 @@ def test_templated_converted_reads_match_reads_built_afresh(store: Store, chunk_
     assert chunk_reads.templated_calls == 3
 
 
+def test_converted_reads_read_the_file_front_to_back(store: Store, chunk_reads, monkeypatch) -> None:
+    """A converted read reads its chunk's file in order of offset, the
+    scales and offsets first (as they lie in the file, not as a set
+    iterates them), then the codes: built afresh and templated alike. (Read
+    cold, a file read so comes into the page cache in large folios.)"""
+    from chatkv.storage import Converted, Planes, nativeread
+    from chatkv.storage import chunkfile as cf
+
+    if chunk_reads.path == "python":
+        pytest.skip("conversions need the native reads")
+    cf._TEMPLATED.clear()
+    names = "abcdefgh"  # eight scales: read in any other order, 1 chance in 40,320 of passing
+    tensors = {}
+    for n in names:
+        tensors[f"{n}.data"] = torch.randint(-127, 128, (6, 8), dtype=torch.int8)
+        tensors[f"{n}.scale"] = torch.rand(6) / 100
+    store.open_session("s")
+    store.save_kv("s", token_ids=list(range(40)), fingerprint=FP, chunks=[NewChunk(20, tensors, META)] * 2)
+    reads = nativeread.reader()
+    offsets: list[list[int]] = []
+    real = reads.read_fields
+
+    def recorded(fd, fields, slice_bytes):
+        offsets.append([fields[i + 2] for i in range(0, len(fields), nativeread._PIECE_FIELDS)
+                        if fields[i + 2] >= 0])
+        return real(fd, fields, slice_bytes)
+
+    monkeypatch.setattr(reads, "read_fields", recorded)
+    row = 8 * 2
+    memory = bytearray(len(names) * 6 * row)
+    planes = Planes(memory, [i * 6 * row for i in range(len(names))], [(0, 6 * row)])
+    plain = bytearray(len(memory))
+    for i, source in enumerate(store.open_kv("s")):
+        scale_at = sorted(source._reader._spans[f"{n}.scale"][0] for n in names)
+        data_at = sorted(source._reader._spans[f"{n}.data"][0] for n in names)
+        assert scale_at[-1] < data_at[0]  # (the layout this test means: safetensors puts float32 first)
+        views = [memoryview(plain)[j * 6 * row: (j + 1) * 6 * row] for j in range(len(names))]
+        source.read_into({}, converted={f"{n}.data": Converted(
+            planes.span(0, 6 * row, j, len(names)) if i else [views[j]], torch.bfloat16, 8, f"{n}.scale")
+            for j, n in enumerate(names)})
+        assert offsets[-1] == scale_at + data_at, "afresh" if i == 0 else "templated"
+    assert chunk_reads.templated_calls == 1 and memory == plain
+
+
 def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
     """Each chunk's file is closed once it is read, refused before reading,
     or found corrupt."""
