@@ -408,8 +408,10 @@ def test_templated_converted_reads_match_reads_built_afresh(store: Store, chunk_
 def test_converted_reads_read_the_file_front_to_back(store: Store, chunk_reads, monkeypatch) -> None:
     """A converted read reads its chunk's file in order of offset, the
     scales and offsets first (as they lie in the file, not as a set
-    iterates them), then the codes: built afresh and templated alike. (Read
-    cold, a file read so comes into the page cache in large folios.)"""
+    iterates them), then the codes: built afresh and templated alike; and
+    so does a read of the chunk into memory, whose checksum takes each
+    tensor's codes before its scales. (Read cold, a file read so comes into
+    the page cache in large folios.)"""
     from chatkv.storage import Converted, Planes, nativeread
     from chatkv.storage import chunkfile as cf
 
@@ -447,6 +449,12 @@ def test_converted_reads_read_the_file_front_to_back(store: Store, chunk_reads, 
             for j, n in enumerate(names)})
         assert offsets[-1] == scale_at + data_at, "afresh" if i == 0 else "templated"
     assert chunk_reads.templated_calls == 1 and memory == plain
+    for source in store.open_kv("s"):  # read into memory (a pool not in host memory): the same order
+        spans = source._reader._spans
+        want = sorted(spans[f"{n}.scale"][0] for n in names) + sorted(spans[f"{n}.data"][0] for n in names)
+        fresh = source.read_into({})
+        assert offsets[-1] == want
+        assert all(torch.equal(fresh[name], t) for name, t in tensors.items())
 
 
 def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
