@@ -408,10 +408,8 @@ def test_templated_converted_reads_match_reads_built_afresh(store: Store, chunk_
 def test_converted_reads_read_the_file_front_to_back(store: Store, chunk_reads, monkeypatch) -> None:
     """A converted read reads its chunk's file in order of offset, the
     scales and offsets first (as they lie in the file, not as a set
-    iterates them), then the codes: built afresh and templated alike; and
-    so does a read of the chunk into memory, whose checksum takes each
-    tensor's codes before its scales. (Read cold, a file read so comes into
-    the page cache in large folios.)"""
+    iterates them), then the codes: built afresh and templated alike. (Read
+    cold, a file read so comes into the page cache in large folios.)"""
     from chatkv.storage import Converted, Planes, nativeread
     from chatkv.storage import chunkfile as cf
 
@@ -449,12 +447,59 @@ def test_converted_reads_read_the_file_front_to_back(store: Store, chunk_reads, 
             for j, n in enumerate(names)})
         assert offsets[-1] == scale_at + data_at, "afresh" if i == 0 else "templated"
     assert chunk_reads.templated_calls == 1 and memory == plain
-    for source in store.open_kv("s"):  # read into memory (a pool not in host memory): the same order
-        spans = source._reader._spans
-        want = sorted(spans[f"{n}.scale"][0] for n in names) + sorted(spans[f"{n}.data"][0] for n in names)
-        fresh = source.read_into({})
-        assert offsets[-1] == want
-        assert all(torch.equal(fresh[name], t) for name, t in tensors.items())
+
+
+def test_a_chunk_read_into_memory_is_read_front_to_back(store: Store, chunk_reads, monkeypatch) -> None:
+    """A chunk read into memory (a pool not in host memory, a chunk the
+    loop fills) reads its file in order of offset, in Python and through the
+    native call: the scales first, though the checksum takes each tensor's
+    codes before its scales; the tensors and the checksum's verdict are
+    unchanged (a flipped scale is found)."""
+    import os
+
+    from chatkv.storage import nativeread
+
+    names = "abcd"
+    tensors = {}
+    for n in names:
+        tensors[f"{n}.data"] = torch.randint(-127, 128, (6, 8), dtype=torch.int8)
+        tensors[f"{n}.scale"] = torch.rand(6) / 100
+    store.open_session("s")
+    r = store.save_kv("s", token_ids=list(range(20)), fingerprint=FP, chunks=[NewChunk(20, tensors, META)])
+    offsets: list[int] = []
+    if chunk_reads.path == "native":
+        reads = nativeread.reader()
+        real = reads.read_fields
+
+        def recorded(fd, fields, slice_bytes):
+            offsets.extend(fields[i + 2] for i in range(0, len(fields), nativeread._PIECE_FIELDS)
+                           if fields[i + 2] >= 0)
+            return real(fd, fields, slice_bytes)
+
+        monkeypatch.setattr(reads, "read_fields", recorded)
+    else:
+        real_preadv = os.preadv
+
+        def recorded_preadv(fd, bufs, offset, *args):
+            offsets.append(offset)
+            return real_preadv(fd, bufs, offset, *args)
+
+        monkeypatch.setattr(os, "preadv", recorded_preadv)
+    (source,) = list(store.open_kv("s"))
+    spans = source._reader._spans
+    fresh = source.read_into({})
+    assert all(torch.equal(fresh[name], t) for name, t in tensors.items())
+    firsts = [at for at in offsets if at in {spans[name][0] for name in spans}]
+    assert firsts == sorted(firsts) and len(firsts) == len(tensors)
+    assert offsets == sorted(offsets)
+    monkeypatch.undo()
+    path = store.path_of(r.chunks[0])
+    data = bytearray(path.read_bytes())
+    data[data.find(tensors["c.scale"].numpy().tobytes()) + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    (source,) = list(store.open_kv("s"))
+    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
+        source.read_into({})
 
 
 def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) -> None:
