@@ -662,7 +662,7 @@ class ChunkReader:
         if converted:  # only the native reads convert
             # The scales and offsets read first, by the same native call (not hashed
             # then), before the tensors they scale; hashed from memory in their turn.
-            unhashed = [(v, self._spans[name][0], None) for name in scales for v in views[name]]
+            unhashed = self._unhashed(scales, views)
             plans = {name: (bufs, self._scaled(convert, converted[name], arrays))
                      for name, (bufs, convert) in plans.items()}
             plan = self._checksum_plan(views, plans, set(scales))
@@ -684,7 +684,7 @@ class ChunkReader:
         h = _file_hasher(self.metadata, self.hash)
         native = nativeread.reader() if isinstance(h, xxhash.xxh3_128) else None
         if native is not None:  # the same reads and digest in one call, without the GIL
-            unhashed = [(views[name][0], self._spans[name][0], None) for name in early]
+            unhashed = self._unhashed(early, views)
             _check_hexdigest(self.metadata, self._read_native(native, plan, unhashed), self.hash)
             return fresh
         for name in early:
@@ -727,7 +727,7 @@ class ChunkReader:
         if scales & (set(buffers) | set(converted)):
             raise ValueError(f"scales {sorted(scales & (set(buffers) | set(converted)))} are read into new memory, "
                              "not into buffers or converted")
-        return plans, sorted(scales, key=lambda name: self._spans[name][0])
+        return plans, self._in_file_order(scales)
 
     def _read_first(self, fresh: Collection[str]) -> list[str]:
         """Of the tensors read into new memory (``fresh``), those a read
@@ -751,7 +751,17 @@ class ChunkReader:
                 end = at + nbytes
             elif name in fresh:
                 early.append(name)
-        return sorted(early, key=lambda name: self._spans[name][0])
+        return self._in_file_order(early)
+
+    def _in_file_order(self, names: Collection[str]) -> list[str]:
+        """Tensors ``names`` sorted by where they lie in the file (see :meth:`_checked` for why)."""
+        return sorted(names, key=lambda name: self._spans[name][0])
+
+    def _unhashed(self, names: Sequence[str], views: Mapping[str, list[memoryview]]) -> list[tuple[Any, int, None]]:
+        """The native read's pieces that read tensors ``names`` (each read into
+        new memory, one view, or none where it is empty) whole, in order, not
+        hashed: hashed from memory in their turn in the checksum's order."""
+        return [(v, self._spans[name][0], None) for name in names for v in views[name]]
 
     def _templated(self, buffers: Mapping[str, Any], converted: Mapping[str, Converted]) -> "_TemplatedRead | None":
         """The :class:`_TemplatedRead` of this converted read where it can be
