@@ -422,8 +422,8 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
                 keep = rng.random(numbers.size) < 0.8
                 data[keep] = numbers[keep]
             scales = rng.random(rows).astype(np.float32) * 0.05
-            # Tame scales (each times 256 finite: e4m3's one-multiply path in one flat loop
-            # where rows are whole 32s), then wild ones (not finite, or not once times 256).
+            # Tame scales (each times 2^120 finite: e4m3's one-multiply path in one flat loop
+            # where rows are whole 32s), then wild ones (not finite, or not once times 2^120).
             tame = scales.copy()
             tame[::7], tame[::11] = 1e-40, 0
             scales[::7], scales[::11], scales[::13], scales[::17], scales[::19] = 1e-40, 0, np.inf, np.nan, 3e38
