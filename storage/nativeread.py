@@ -49,7 +49,17 @@ int4 0.89x; and float16 codes then convert out of the staging buffer in
 0.94x the time they took read into the slots and converted there. Codes
 into float32 (a float32 pool's) are likewise converted 32 at a time and
 stored so on CPUs with AVX-512, BF16 or not (fp8 and float16 restores
-0.95x the time, int8 0.98x); the same bits as the plain C.
+0.95x the time, int8 0.98x); the same bits as the plain C. CPUs without
+them (most laptops and desktops, and AMD's before Zen 4) run the same
+conversions written for AVX2 and F16C, 16 elements at a time, rounding to
+bfloat16 with integer operations and storing non-temporally; int4 codes
+into float32 take that code on every CPU with AVX2. A 256-token SmolLM2
+chunk's conversion into float32 (the default dtype there), one thread,
+against the plain C's x86-64-v3 clone: float16 0.5x the time, fp8 0.42x,
+int4 0.6x to 0.7x, int8 0.65x to 0.8x, at or near an exact chunk's copy;
+into bfloat16 int8 0.78x, int4 0.85x, fp8 0.60x, float16 0.3x (the
+library built with ``-DCHATKV_AVX2_ONLY``, which takes the AVX2 code
+wherever it can, on this project's AVX-512 VM).
 
 The build runs in a background thread (:func:`prepare_in_background`: a
 Store starts it when it opens), with the C compiler (``$CC``, else ``cc``)
@@ -234,6 +244,9 @@ CHATKV_ROWS(chatkv_rows_f32_bf16, float, uint16_t, LOAD_F32, STORE_BF16)
    S.1111.111, which the float16 route below would read as a number). */
 static inline int chatkv_has_avx512(void)  /* (the conversions into float32) */
 {
+#ifdef CHATKV_AVX2_ONLY  /* (a build that takes the AVX2 code wherever it can: the tests compare it) */
+    return 0;
+#endif
     static int has = -1;  /* (a race writes the same value) */
     if (has < 0) {
         __builtin_cpu_init();
@@ -247,6 +260,18 @@ static inline int chatkv_has_avx512(void)  /* (the conversions into float32) */
 static inline int chatkv_has_bf16(void)
 {
     return chatkv_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* The conversions for CPUs without AVX-512 (or, into bfloat16, without its
+   BF16 instructions): AVX2 and F16C, 16 elements a step. */
+static inline int chatkv_has_avx2(void)
+{
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return has;
 }
 
 #define LOAD16_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
@@ -317,35 +342,42 @@ static inline int chatkv_folds(const float *scale, long long n, float unit)
     return finite;
 }
 
-/* load32 gives the elements unit times smaller than load does (a power of
-   two: 1, or 2^120 for e4m3): a row's products are the loaded values times
-   unit s in one multiply where that is finite (the same real product,
-   rounded once), else times unit and then s; without a scale they are
-   multiplied only where unit is not 1 or always says so. put32 writes 32
-   products as dst_t (or returns 0 for them to be written one by one,
-   each as store writes it); so are any 32 that special32 finds, and the
-   end of a row shorter than 32. */
-#define CHATKV_FAST_ROWS(name, target, dst_t, src_t, load, load32, unit, special32, always, put32, store) \
+/* Vectors of step / 2 float32s, as a width's code makes and multiplies them. */
+#define CHATKV_W512 __m512, 32, _mm512_set1_ps, _mm512_mul_ps
+#define CHATKV_W256 __m256, 16, _mm256_set1_ps, _mm256_mul_ps
+
+/* load32 gives step elements (two vec_t: 32 with AVX-512, 16 with AVX2)
+   unit times smaller than load does (a power of two: 1, or 2^120 for
+   e4m3): a row's products are the loaded values times unit s in one
+   multiply where that is finite (the same real product, rounded once),
+   else times unit and then s; without a scale they are multiplied only
+   where unit is not 1 or always says so. put32 writes step products as
+   dst_t (or returns 0 for them to be written one by one, each as store
+   writes it); so are any step elements that special32 finds, and the end
+   of a row shorter than step. */
+#define CHATKV_FAST_ROWS(...) CHATKV_FAST_ROWS_(__VA_ARGS__)
+#define CHATKV_FAST_ROWS_(vec_t, step, set1, mul, name, target, dst_t, src_t, load, load32, unit, special32, always, \
+                          put32, store)                                                             \
     target static void name(const src_t *in, dst_t *out, long long rows, long long row, const float *scale) \
     {                                                                                               \
-        if (scale && row >= 32 && row % 32 == 0 && chatkv_folds(scale, rows, unit)) {               \
-            /* Whole 32s, every scale folding the unit: one flat loop (a row of 64, two 32s,       \
+        if (scale && row >= (step) && row % (step) == 0 && chatkv_folds(scale, rows, unit)) {       \
+            /* Whole steps, every scale folding the unit: one flat loop (a row of 64, two 32s,     \
                left the row loop's set-up as much work as its conversion). */                      \
-            const long long per = row / 32, groups = rows * per;                                    \
+            const long long per = row / (step), groups = rows * per;                                \
             const float *sp = scale;                                                                \
-            __m512 vs = _mm512_set1_ps(*sp * (unit));                                               \
+            vec_t vs = set1(*sp * (unit));                                                          \
             for (long long g = 0, k = 0; g < groups; g++) {                                         \
-                const long long i = g * 32;                                                         \
-                __m512 lo, hi;                                                                      \
+                const long long i = g * (step);                                                     \
+                vec_t lo, hi;                                                                       \
                 load32(in + i, lo, hi);                                                             \
-                lo = _mm512_mul_ps(lo, vs);                                                         \
-                hi = _mm512_mul_ps(hi, vs);                                                         \
+                lo = mul(lo, vs);                                                                   \
+                hi = mul(hi, vs);                                                                   \
                 if (special32(in + i) || !put32(out + i, lo, hi))                                   \
-                    for (long long j = i; j < i + 32; j++)                                          \
+                    for (long long j = i; j < i + (step); j++)                                      \
                         out[j] = store(load(in[j]) * *sp);                                          \
                 if (++k == per && g + 1 < groups) {                                                 \
                     k = 0;                                                                          \
-                    vs = _mm512_set1_ps(*++sp * (unit));                                            \
+                    vs = set1(*++sp * (unit));                                                      \
                 }                                                                                   \
             }                                                                                       \
             return;                                                                                 \
@@ -359,21 +391,21 @@ static inline int chatkv_folds(const float *scale, long long n, float unit)
             dst_t *o = out + r * row;                                                               \
             const float s = scale ? scale[r] : 1.0f, su = s * (unit);                               \
             const int folded = __builtin_isfinite(su);                                              \
-            const __m512 vs = _mm512_set1_ps(folded ? su : s), vu = _mm512_set1_ps(unit);            \
+            const vec_t vs = set1(folded ? su : s), vu = set1(unit);                                \
             long long i = 0;                                                                        \
-            for (; i + 32 <= row; i += 32) {                                                        \
-                __m512 lo, hi;                                                                      \
+            for (; i + (step) <= row; i += (step)) {                                                \
+                vec_t lo, hi;                                                                       \
                 load32(a + i, lo, hi);                                                              \
                 if ((unit) != 1.0f && !folded) {                                                    \
-                    lo = _mm512_mul_ps(lo, vu);                                                     \
-                    hi = _mm512_mul_ps(hi, vu);                                                     \
+                    lo = mul(lo, vu);                                                               \
+                    hi = mul(hi, vu);                                                               \
                 }                                                                                   \
                 if (scale || (unit) != 1.0f || (always)) {                                          \
-                    lo = _mm512_mul_ps(lo, vs);                                                     \
-                    hi = _mm512_mul_ps(hi, vs);                                                     \
+                    lo = mul(lo, vs);                                                               \
+                    hi = mul(hi, vs);                                                               \
                 }                                                                                   \
                 if (special32(a + i) || !put32(o + i, lo, hi))                                      \
-                    for (long long j = i; j < i + 32; j++)                                          \
+                    for (long long j = i; j < i + (step); j++)                                      \
                         o[j] = store(load(a[j]) * s);                                               \
             }                                                                                       \
             for (; i < row; i++)                                                                    \
@@ -381,8 +413,8 @@ static inline int chatkv_folds(const float *scale, long long n, float unit)
         }                                                                                           \
     }
 #define CHATKV_FAST_BF16(name, src_t, load, load32, unit, special32)                               \
-    CHATKV_FAST_ROWS(name, CHATKV_AVX512_BF16, uint16_t, src_t, load, load32, unit, special32, 0, chatkv_put32, \
-                     chatkv_bf16)
+    CHATKV_FAST_ROWS(CHATKV_W512, name, CHATKV_AVX512_BF16, uint16_t, src_t, load, load32, unit, special32, 0,  \
+                     chatkv_put32, chatkv_bf16)
 
 /* The code types both fast conversions read, each once: X(chatkv_fast_<type>_<to>,
    its C type, loads, unit and special32), for CHATKV_FAST_BF16 and CHATKV_FAST_F32. */
@@ -394,7 +426,6 @@ static inline int chatkv_folds(const float *scale, long long n, float unit)
 
 CHATKV_FAST_SOURCES(CHATKV_FAST_BF16, bf16)
 CHATKV_FAST_BF16(chatkv_fast_f32_bf16, float, LOAD_F32, LOAD32_F32, 1.0f, SPECIAL32_NONE)
-#define CHATKV_TO_BF16(fast, portable) (chatkv_has_bf16() ? fast : portable)
 
 /* 32 float32 products into o, non-temporally where o starts a cache line
    (see chatkv_put32); 1. */
@@ -416,14 +447,104 @@ CHATKV_AVX512 static inline int chatkv_put32_f32(float *o, __m512 lo, __m512 hi)
    signaling NaN comes out quiet as there); any 32 e4m3 codes holding a NaN
    are converted one by one. */
 #define CHATKV_FAST_F32(name, src_t, load, load32, unit, special32)                                \
-    CHATKV_FAST_ROWS(name, CHATKV_AVX512, float, src_t, load, load32, unit, special32, 1, chatkv_put32_f32, \
-                     STORE_F32)
+    CHATKV_FAST_ROWS(CHATKV_W512, name, CHATKV_AVX512, float, src_t, load, load32, unit, special32, 1,        \
+                     chatkv_put32_f32, STORE_F32)
 
 CHATKV_FAST_SOURCES(CHATKV_FAST_F32, f32)
-#define CHATKV_TO_F32(fast, portable) (chatkv_has_avx512() ? fast : portable)
+
+/* The same conversions with AVX2 and F16C, 16 elements a step (CPUs without
+   AVX-512; into bfloat16, those without its BF16 instructions too). Each
+   LOAD8 gives 8 elements as float32, exactly. Products are rounded to
+   bfloat16 as chatkv_bf16 rounds them (to nearest even on the bits, a NaN
+   0x7fc0), eight at a time with integer operations, so that only e4m3's
+   NaN codes are converted one by one; whole 32-byte stores go non-temporal
+   (see chatkv_put32). */
+#define CHATKV_AVX2 __attribute__((target("avx2,f16c")))
+#define LOAD8_INT8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD8_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(            \
+                                                             (const __m128i *)(p))), 16))
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD16_INT8_2(p, lo, hi) ((lo) = LOAD8_INT8(p), (hi) = LOAD8_INT8((p) + 8))
+#define LOAD16_F16_2(p, lo, hi) ((lo) = LOAD8_F16(p), (hi) = LOAD8_F16((p) + 8))
+#define LOAD16_BF16_2(p, lo, hi) ((lo) = LOAD8_BF16(p), (hi) = LOAD8_BF16((p) + 8))
+#define LOAD16_F32_2(p, lo, hi) ((lo) = LOAD8_F32(p), (hi) = LOAD8_F32((p) + 8))
+#define LOAD16_E4M3_2(p, lo, hi) chatkv_e4m3_16((const uint8_t *)(p), &(lo), &(hi))
+#define SPECIAL16_NONE(p) 0
+/* 16 e4m3 codes holding a NaN (S.1111.111). */
+#define SPECIAL16_E4M3(p) _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(_mm_loadu_si128((const __m128i *)(p)),  \
+                                                                           _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)))
+
+/* 16 e4m3 codes as LOAD32_E4M3 reads 32 (2^-120 times their value). */
+CHATKV_AVX2 static inline void chatkv_e4m3_16(const uint8_t *p, __m256 *lo, __m256 *hi)
+{
+    const __m256i m = _mm256_set1_epi32((int)0x87f00000);
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m256i a = _mm256_cvtepi8_epi32(x), b = _mm256_cvtepi8_epi32(_mm_srli_si128(x, 8));
+    *lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(a, 20), m));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), m));
+}
+
+/* 8 float32 rounded to bfloat16 as chatkv_bf16 rounds them, each in the
+   low half of its 32 bits. */
+CHATKV_AVX2 static inline __m256i chatkv_bf16_8(__m256 x)
+{
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+/* 16 products into o as bfloat16 (non-temporally where o starts 32 bytes); 1. */
+CHATKV_AVX2 static inline int chatkv_put16(uint16_t *o, __m256 lo, __m256 hi)
+{
+    /* (packing works within 128-bit lanes: the permute puts the 64-bit quarters in order) */
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(chatkv_bf16_8(lo), chatkv_bf16_8(hi)), 0xd8);
+    if (((uintptr_t)o & 31) == 0)
+        _mm256_stream_si256((__m256i *)o, v);
+    else
+        _mm256_storeu_si256((__m256i *)o, v);
+    return 1;
+}
+
+/* 16 products into o as float32, likewise; 1. */
+CHATKV_AVX2 static inline int chatkv_put16_f32(float *o, __m256 lo, __m256 hi)
+{
+    if (((uintptr_t)o & 31) == 0) {  /* (and so is o + 8) */
+        _mm256_stream_ps(o, lo);
+        _mm256_stream_ps(o + 8, hi);
+    } else {
+        _mm256_storeu_ps(o, lo);
+        _mm256_storeu_ps(o + 8, hi);
+    }
+    return 1;
+}
+
+#define CHATKV_AVX2_SOURCES(X, to)                                                                  \
+    X(chatkv_avx2_i8_##to, int8_t, LOAD_INT8, LOAD16_INT8_2, 1.0f, SPECIAL16_NONE)                   \
+    X(chatkv_avx2_e4m3_##to, uint8_t, LOAD_E4M3, LOAD16_E4M3_2, 0x1p120f, SPECIAL16_E4M3)            \
+    X(chatkv_avx2_f16_##to, uint16_t, LOAD_F16, LOAD16_F16_2, 1.0f, SPECIAL16_NONE)                  \
+    X(chatkv_avx2_bf16_##to, uint16_t, LOAD_BF16, LOAD16_BF16_2, 1.0f, SPECIAL16_NONE)
+#define CHATKV_AVX2_BF16(name, src_t, load, load16, unit, special16)                               \
+    CHATKV_FAST_ROWS(CHATKV_W256, name, CHATKV_AVX2, uint16_t, src_t, load, load16, unit, special16, 0,         \
+                     chatkv_put16, chatkv_bf16)
+#define CHATKV_AVX2_F32(name, src_t, load, load16, unit, special16)                                \
+    CHATKV_FAST_ROWS(CHATKV_W256, name, CHATKV_AVX2, float, src_t, load, load16, unit, special16, 1,            \
+                     chatkv_put16_f32, STORE_F32)
+CHATKV_AVX2_SOURCES(CHATKV_AVX2_BF16, bf16)
+CHATKV_AVX2_SOURCES(CHATKV_AVX2_F32, f32)
+CHATKV_AVX2_BF16(chatkv_avx2_f32_bf16, float, LOAD_F32, LOAD16_F32_2, 1.0f, SPECIAL16_NONE)
+
+/* Each conversion's best code for the CPU: the AVX-512 code where it has
+   what that needs (fast), else the AVX2 code where it has AVX2 and F16C,
+   else the plain C (its target_clones). */
+#define CHATKV_TO_BF16(fast, avx2, portable) (chatkv_has_bf16() ? fast : chatkv_has_avx2() ? avx2 : portable)
+#define CHATKV_TO_F32(fast, avx2, portable) (chatkv_has_avx512() ? fast : chatkv_has_avx2() ? avx2 : portable)
 #else
-#define CHATKV_TO_BF16(fast, portable) portable
-#define CHATKV_TO_F32(fast, portable) portable
+#define CHATKV_TO_BF16(fast, avx2, portable) portable
+#define CHATKV_TO_F32(fast, avx2, portable) portable
 #endif
 
 /* n float16 values at h as float32 into f, each as chatkv_f16 gives it (an
@@ -448,6 +569,16 @@ CHATKV_AVX512 static void chatkv_fast_f16_run(const uint16_t *__restrict h, floa
         const __mmask16 m = (__mmask16)((1u << (n - j)) - 1u);
         _mm512_mask_storeu_ps(f + j, m, LOAD16_F16_FIRST(h + j, m));
     }
+}
+
+/* chatkv_f16_run 8 at a time with F16C (as chatkv_fast_f16_run). */
+CHATKV_AVX2 static void chatkv_avx2_f16_run(const uint16_t *__restrict h, float *__restrict f, long long n)
+{
+    long long j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(f + j, LOAD8_F16(h + j));
+    for (; j < n; j++)
+        f[j] = chatkv_f16(h[j]);
 }
 #endif
 
@@ -532,32 +663,32 @@ static void chatkv_convert(long long conv, const void *in, void *out, long long 
 {
     switch (conv) {
     case SRC_INT8 * 16 + DST_F32:
-        CHATKV_TO_F32(chatkv_fast_i8_f32, chatkv_rows_i8_f32)(in, out, rows, row, scale);
+        CHATKV_TO_F32(chatkv_fast_i8_f32, chatkv_avx2_i8_f32, chatkv_rows_i8_f32)(in, out, rows, row, scale);
         break;
     case SRC_INT8 * 16 + DST_BF16:
-        CHATKV_TO_BF16(chatkv_fast_i8_bf16, chatkv_rows_i8_bf16)(in, out, rows, row, scale);
+        CHATKV_TO_BF16(chatkv_fast_i8_bf16, chatkv_avx2_i8_bf16, chatkv_rows_i8_bf16)(in, out, rows, row, scale);
         break;
     case SRC_E4M3 * 16 + DST_F32:
-        CHATKV_TO_F32(chatkv_fast_e4m3_f32, chatkv_rows_e4m3_f32)(in, out, rows, row, scale);
+        CHATKV_TO_F32(chatkv_fast_e4m3_f32, chatkv_avx2_e4m3_f32, chatkv_rows_e4m3_f32)(in, out, rows, row, scale);
         break;
     case SRC_E4M3 * 16 + DST_BF16:
-        CHATKV_TO_BF16(chatkv_fast_e4m3_bf16, chatkv_rows_e4m3_bf16)(in, out, rows, row, scale);
+        CHATKV_TO_BF16(chatkv_fast_e4m3_bf16, chatkv_avx2_e4m3_bf16, chatkv_rows_e4m3_bf16)(in, out, rows, row, scale);
         break;
     case SRC_F16 * 16 + DST_F32:
-        CHATKV_TO_F32(chatkv_fast_f16_f32, chatkv_rows_f16_f32)(in, out, rows, row, scale);
+        CHATKV_TO_F32(chatkv_fast_f16_f32, chatkv_avx2_f16_f32, chatkv_rows_f16_f32)(in, out, rows, row, scale);
         break;
     case SRC_F16 * 16 + DST_BF16:
-        CHATKV_TO_BF16(chatkv_fast_f16_bf16, chatkv_rows_f16_bf16)(in, out, rows, row, scale);
+        CHATKV_TO_BF16(chatkv_fast_f16_bf16, chatkv_avx2_f16_bf16, chatkv_rows_f16_bf16)(in, out, rows, row, scale);
         break;
     case SRC_BF16 * 16 + DST_F32:
-        CHATKV_TO_F32(chatkv_fast_bf16_f32, chatkv_rows_bf16_f32)(in, out, rows, row, scale);
+        CHATKV_TO_F32(chatkv_fast_bf16_f32, chatkv_avx2_bf16_f32, chatkv_rows_bf16_f32)(in, out, rows, row, scale);
         break;
     case SRC_BF16 * 16 + DST_BF16:
-        CHATKV_TO_BF16(chatkv_fast_bf16_bf16, chatkv_rows_bf16_bf16)(in, out, rows, row, scale);
+        CHATKV_TO_BF16(chatkv_fast_bf16_bf16, chatkv_avx2_bf16_bf16, chatkv_rows_bf16_bf16)(in, out, rows, row, scale);
         break;
     case SRC_F32 * 16 + DST_F32: chatkv_rows_f32_f32(in, out, rows, row, scale); break;
     case SRC_F32 * 16 + DST_BF16:
-        CHATKV_TO_BF16(chatkv_fast_f32_bf16, chatkv_rows_f32_bf16)(in, out, rows, row, scale);
+        CHATKV_TO_BF16(chatkv_fast_f32_bf16, chatkv_avx2_f32_bf16, chatkv_rows_f32_bf16)(in, out, rows, row, scale);
         break;
     }
 }
@@ -656,6 +787,63 @@ CHATKV_AVX512_BF16 static void chatkv_fast_groups_bf16(const uint8_t *__restrict
         }
     }
 }
+
+/* 8 bytes of int4 codes at p as 16 float32 codes, in order: the first 8 in
+   *c0, the rest in *c1. */
+CHATKV_AVX2 static inline void chatkv_nibbles16(const uint8_t *p, __m256 *c0, __m256 *c1)
+{
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(15);
+    const __m128i w = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    *c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(w));
+    *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(w, 8)));
+}
+
+/* chatkv_nibbles_<to> and chatkv_groups_<to> with AVX2, 16 codes a step
+   (groups: where groups and rows are whole 16s, else as chatkv_groups_<to>),
+   each product code * scale + offset as there, written by put16. */
+#define CHATKV_AVX2_INT4(to, dst_t, put16, store)                                                   \
+    CHATKV_AVX2 static void chatkv_avx2_nibbles_##to(const uint8_t *__restrict a, dst_t *__restrict o, \
+                                                     long long half, const float *__restrict sf,     \
+                                                     const float *__restrict zf)                     \
+    {                                                                                               \
+        long long j = 0;                                                                            \
+        for (; j + 8 <= half; j += 8) {                                                             \
+            const long long i = 2 * j;                                                              \
+            __m256 c0, c1;                                                                          \
+            chatkv_nibbles16(a + j, &c0, &c1);                                                      \
+            put16(o + i, _mm256_add_ps(_mm256_mul_ps(c0, _mm256_loadu_ps(sf + i)), _mm256_loadu_ps(zf + i)), \
+                  _mm256_add_ps(_mm256_mul_ps(c1, _mm256_loadu_ps(sf + i + 8)), _mm256_loadu_ps(zf + i + 8))); \
+        }                                                                                           \
+        for (long long k = 2 * j; k < 2 * half; k++)                                                \
+            o[k] = store(CHATKV_NIBBLE(a, k) * sf[k] + zf[k]);                                      \
+    }                                                                                               \
+    CHATKV_AVX2 static void chatkv_avx2_groups_##to(const uint8_t *__restrict a, dst_t *__restrict o,  \
+                                                    long long rows, long long row, long long group,   \
+                                                    const uint16_t *__restrict scale,                 \
+                                                    const uint16_t *__restrict zero, float *__restrict c) \
+    {                                                                                               \
+        if (group % 16 || row % 16) {                                                               \
+            chatkv_groups_##to(a, o, rows, row, group, scale, zero, c);                             \
+            return;                                                                                 \
+        }                                                                                           \
+        const long long groups = row / group;                                                      \
+        for (long long r = 0; r < rows; r++, a += row / 2, o += row)                               \
+            for (long long g = 0; g < groups; g++) {                                                \
+                const __m256 vs = _mm256_set1_ps(chatkv_f16(scale[r * groups + g]));                \
+                const __m256 vz = _mm256_set1_ps(chatkv_f16(zero[r * groups + g]));                 \
+                for (long long i = g * group; i < (g + 1) * group; i += 16) {                       \
+                    __m256 c0, c1;                                                                  \
+                    chatkv_nibbles16(a + i / 2, &c0, &c1);                                          \
+                    put16(o + i, _mm256_add_ps(_mm256_mul_ps(c0, vs), vz),                          \
+                          _mm256_add_ps(_mm256_mul_ps(c1, vs), vz));                                \
+                }                                                                                   \
+            }                                                                                       \
+    }
+CHATKV_AVX2_INT4(bf16, uint16_t, chatkv_put16, chatkv_bf16)
+CHATKV_AVX2_INT4(f32, float, chatkv_put16_f32, STORE_F32)
+#define CHATKV_TO_AVX2(avx2, portable) (chatkv_has_avx2() ? avx2 : portable)
+#else
+#define CHATKV_TO_AVX2(avx2, portable) portable
 #endif
 
 /* rows int4 rows of piece q, done rows into it, from in to out; sf and zf
@@ -668,25 +856,27 @@ static void chatkv_convert_int4(const struct chatkv_piece *q, long long done, co
     if (q->group > 0) {  /* one (scale, offset) per group of each row */
         const long long groups = row / q->group;
         const uint16_t *s = scale + done * groups, *z = zero + done * groups;
-        if (dst == DST_F32)
-            chatkv_groups_f32(in, (float *)out, rows, row, q->group, s, z, sf);
+        if (dst == DST_F32)  /* (the AVX2 code on CPUs with AVX-512 too: there is none of its own) */
+            CHATKV_TO_AVX2(chatkv_avx2_groups_f32, chatkv_groups_f32)(in, (float *)out, rows, row, q->group, s, z,
+                                                                     sf);
         else
-            CHATKV_TO_BF16(chatkv_fast_groups_bf16, chatkv_groups_bf16)(in, (uint16_t *)out, rows, row, q->group,
-                                                                      s, z, sf);
+            CHATKV_TO_BF16(chatkv_fast_groups_bf16, chatkv_avx2_groups_bf16, chatkv_groups_bf16)(
+                in, (uint16_t *)out, rows, row, q->group, s, z, sf);
         return;
     }
     for (long long r = done; r < done + rows; r++) {
         if (r == done || (q->phase + r) % q->block == 0) {  /* one per element, per block of rows */
             const long long b = (q->phase + r) / q->block;
-            CHATKV_TO_F32(chatkv_fast_f16_run, chatkv_f16_run)(scale + b * row, sf, row);
-            CHATKV_TO_F32(chatkv_fast_f16_run, chatkv_f16_run)(zero + b * row, zf, row);
+            CHATKV_TO_F32(chatkv_fast_f16_run, chatkv_avx2_f16_run, chatkv_f16_run)(scale + b * row, sf, row);
+            CHATKV_TO_F32(chatkv_fast_f16_run, chatkv_avx2_f16_run, chatkv_f16_run)(zero + b * row, zf, row);
         }
         const uint8_t *a = in + (r - done) * (row / 2);
         if (dst == DST_F32)
-            chatkv_nibbles_f32(a, (float *)out + (r - done) * row, row / 2, sf, zf);
+            CHATKV_TO_AVX2(chatkv_avx2_nibbles_f32, chatkv_nibbles_f32)(a, (float *)out + (r - done) * row, row / 2,
+                                                                       sf, zf);
         else
-            CHATKV_TO_BF16(chatkv_fast_nibbles_bf16, chatkv_nibbles_bf16)(a, (uint16_t *)out + (r - done) * row,
-                                                                        row / 2, sf, zf);
+            CHATKV_TO_BF16(chatkv_fast_nibbles_bf16, chatkv_avx2_nibbles_bf16, chatkv_nibbles_bf16)(
+                a, (uint16_t *)out + (r - done) * row, row / 2, sf, zf);
     }
 }
 

@@ -369,7 +369,10 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
     chatkv's and are converted one by one instead. So does every one of
     int8, fp8, float16 and bfloat16 codes into float32 (on a CPU with
     AVX-512, 32 at a time), but that a NaN times a NaN scale may come out
-    with either one's payload. Random bit patterns of
+    with either one's payload. And so does the library built to take the
+    AVX2 code wherever it can (``CHATKV_AVX2_ONLY``: what a CPU without
+    AVX-512 runs, 16 at a time, rounding to bfloat16 with integer
+    operations), on a CPU with AVX2. Random bit patterns of
     every source type (NaNs, infinities and subnormals among them), scales
     that make products subnormal, infinite or NaN, rows of 32 and more with
     a rest, and int4 codes per block and per group (more than 16 groups a
@@ -388,6 +391,10 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
     import xxhash._xxhash as extension
 
     portable = nativeread.NativeReads(nativeread._build([str(portable_cc)]), extension.__file__)
+    avx2_cc = tmp_path / "avx2-cc"
+    avx2_cc.write_text("#!/bin/sh\nexec " + " ".join(compiler) + " -DCHATKV_AVX2_ONLY \"$@\"\n")
+    avx2_cc.chmod(0o755)
+    avx2 = nativeread.NativeReads(nativeread._build([str(avx2_cc)]), extension.__file__)
     rng = np.random.default_rng(3)
 
     def both(data: np.ndarray, convert: nativeread.Convert, elements: int) -> None:
@@ -395,7 +402,7 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
         path.write_bytes(data.tobytes())
         outs = []
         bits = np.uint16 if convert.target == "bfloat16" else np.uint32
-        for library, shift in ((portable, 0), (reads, 0), (reads, 1)):
+        for library, shift in ((portable, 0), (reads, 0), (reads, 1), (avx2, 0), (avx2, 1)):
             memory = np.zeros(elements + 64, dtype=bits)
             size = memory.itemsize
             start = (-memory.ctypes.data % 64) // size + shift  # elements to the line's start, and shift past it
