@@ -384,17 +384,18 @@ def test_fast_conversions_give_the_portable_codes_bits(reads: nativeread.NativeR
     compiler = nativeread._compiler()
     if compiler is None:
         pytest.skip("no C compiler")
-    portable_cc = tmp_path / "portable-cc"
-    portable_cc.write_text("#!/bin/sh\nexec " + " ".join(compiler) + " -DCHATKV_NO_CLONES \"$@\"\n")
-    portable_cc.chmod(0o755)
     monkeypatch.setattr(nativeread, "_cache_dir", lambda: tmp_path)
     import xxhash._xxhash as extension
 
-    portable = nativeread.NativeReads(nativeread._build([str(portable_cc)]), extension.__file__)
-    avx2_cc = tmp_path / "avx2-cc"
-    avx2_cc.write_text("#!/bin/sh\nexec " + " ".join(compiler) + " -DCHATKV_AVX2_ONLY \"$@\"\n")
-    avx2_cc.chmod(0o755)
-    avx2 = nativeread.NativeReads(nativeread._build([str(avx2_cc)]), extension.__file__)
+    def built_with(define: str) -> nativeread.NativeReads:
+        """The library built by the compiler with ``-D<define>`` added."""
+        cc = tmp_path / f"{define.lower()}-cc"
+        cc.write_text("#!/bin/sh\nexec " + " ".join(compiler) + f" -D{define} \"$@\"\n")
+        cc.chmod(0o755)
+        return nativeread.NativeReads(nativeread._build([str(cc)]), extension.__file__)
+
+    portable = built_with("CHATKV_NO_CLONES")
+    avx2 = built_with("CHATKV_AVX2_ONLY")
     rng = np.random.default_rng(3)
 
     def both(data: np.ndarray, convert: nativeread.Convert, elements: int) -> None:
