@@ -16,6 +16,9 @@ the median ratio with the sign test's interval), the same restore and read
 with the files dropped from the page cache first (``POSIX_FADV_DONTNEED``:
 read from the device, as after a long idle), each compact format's restore
 time over exact's in the same round (warm and cold, as pairs likewise),
+the same for a second restore of exact's own session each round (``exact,
+again``, placed away from exact's in the round: two identical restores,
+so its ratio is the run's own spread, what a format's ratio must clear),
 and the fidelity gate's measure (teacher-forced top-1 agreement and
 mean KL over a reply, :func:`chatkv.fidelity.measure`). The gate's floors are
 left aside (0) so every format is written; ``bf16`` and ``fp16`` of a bfloat16
@@ -44,6 +47,8 @@ from benchmarks.report import interval_cell, median_interval
 from benchmarks.sharegpt import load_conversations
 
 FORMATS = ("exact", "bf16", "fp16", "int8", "fp8", "int4")
+#: A second restore of exact's session each round: the run's own spread.
+CONTROL = "exact, again"
 
 
 def _history(tokenizer: Any, target: int) -> list[dict]:
@@ -112,23 +117,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "top1_agreement": fid.top1_agreement if fid else 1.0,
                             "mean_kl": fid.mean_kl if fid else 0.0}
             e.close()
+        results[CONTROL] = {**results["exact"], "restore_s": [], "restore_cold_s": []}
         cold = "none"
+        order = (*FORMATS, CONTROL)  # (the control last, so never beside exact's restore)
         for round_ in range(args.repeats):
             # Every other round in reverse, so that no format always follows the same one
             # (exact, first, followed int4's restore from the device in every round).
-            for fmt in FORMATS if round_ % 2 == 0 else FORMATS[::-1]:
+            for fmt in order if round_ % 2 == 0 else order[::-1]:
+                stored_as = "exact" if fmt == CONTROL else fmt
                 for key in ("restore_s", "restore_cold_s"):
-                    e = engine(fmt)
+                    e = engine(stored_as)
                     if key == "restore_cold_s":  # the files read from the device, as after a long idle
                         cold = evict_page_cache(Path(p) for p in results[fmt]["files"])
-                    chat = Chat(f"s-{fmt}", engine=e, store=store, max_new_tokens=1)
+                    chat = Chat(f"s-{stored_as}", engine=e, store=store, max_new_tokens=1)
                     r = chat.wait_restored()
                     assert r.source == "disk" and r.cached_tokens == results[fmt]["tokens"], r
                     results[fmt][key].append(r.seconds)
                     results[fmt]["pool_bytes"] = r.cached_tokens * e.pool.bytes_per_block // e.pool.block_size
                     chat.close()
                     e.close()
-                    if key == "restore_s":  # the plain reads of the same files right after, in the same state
+                    if key == "restore_s" and fmt != CONTROL:  # the plain reads of the same files right after
                         files = [Path(p) for p in results[fmt]["files"]]
                         for name, read in (("paired_read_s", raw_read), ("paired_read_into_s", raw_read_into)):
                             results[fmt].setdefault(name, []).append(read(files, repeats=1)[1])
@@ -136,28 +144,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # written exact share exact's files, and a cold read whole (one read a file)
         # brings them back as 4 kB pages, which read from the page cache at a third
         # of the speed of the large folios chatkv's own restores leave.
-        for fmt, res in results.items():
+        measured = {fmt: res for fmt, res in results.items() if fmt != CONTROL}  # (the control's files are exact's)
+        for fmt, res in measured.items():
             files = [Path(p) for p in res["files"]]
             n, t = raw_read(files, repeats=args.repeats)
             res["raw_read_bytes_per_s"] = n / t
             n, t = raw_read_into(files, repeats=args.repeats)
             res["raw_read_into_bytes_per_s"] = n / t
-        for fmt, res in results.items():
-            files = [Path(p) for p in res.pop("files")]
+        for fmt, res in measured.items():
+            files = [Path(p) for p in res["files"]]
             evict_page_cache(files)
             n, t = raw_read(files)
             res["raw_read_cold_bytes_per_s"] = n / t
-            res["cold"] = cold
-            res["restore_median_s"] = statistics.median(res["restore_s"])
-            res["restore_cold_median_s"] = statistics.median(res["restore_cold_s"])
-            res["bytes_per_token"] = res["disk_bytes"] / res["tokens"]
-            res["restore_bytes_per_s"] = res["pool_bytes"] / res["restore_median_s"]
             # Each restore's bandwidth over that of the plain read right after it: the VM's
             # memory speed drifts within a run, so a ratio of pairs, not of two medians.
             for name in ("paired_read_s", "paired_read_into_s"):
                 res[name.replace("_s", "_ratio")] = median_interval(
                     (res["pool_bytes"] / restored) / (res["disk_bytes"] / read)
                     for restored, read in zip(res["restore_s"], res[name]))
+        for res in results.values():
+            del res["files"]
+            res["cold"] = cold
+            res["restore_median_s"] = statistics.median(res["restore_s"])
+            res["restore_cold_median_s"] = statistics.median(res["restore_cold_s"])
+            res["bytes_per_token"] = res["disk_bytes"] / res["tokens"]
+            res["restore_bytes_per_s"] = res["pool_bytes"] / res["restore_median_s"]
         store.close()
     add_vs_exact(results)
     return results
@@ -176,8 +187,11 @@ def add_vs_exact(results: dict[str, dict[str, Any]]) -> None:
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    """The Markdown table."""
+    """The Markdown tables: every format's numbers, exact's bandwidth against
+    the plain reads, each format's restore over exact's with its verdict (and
+    the control's, :data:`CONTROL`, without one: the run's own spread)."""
     exact = results["exact"]
+    formats = {fmt: r for fmt, r in results.items() if fmt != CONTROL}
     lines = [
         f"Disk formats, default model ({args.dtype}), a {exact['tokens']}-token ShareGPT history, "
         f"{torch.get_num_threads()} threads, medians of {args.repeats}",
@@ -186,7 +200,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         "| restore, cold | plain read, cold | top-1 agreement | mean KL |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for fmt, r in results.items():
+    for fmt, r in formats.items():
         lines.append(
             f"| {fmt} | {r['bytes_per_token']:,.0f} | {100 * r['bytes_per_token'] / exact['bytes_per_token']:.1f}% | "
             f"{1e3 * r['restore_median_s']:.1f} ms | {r['restore_bytes_per_s'] / 1e9:.2f} GB/s | "
@@ -198,7 +212,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
               f"(medians of {args.repeats} pairs, the sign test's interval; the goal, for exact: at least 0.5x):",
               "",
               "| format | vs the plain read | vs the plain read into memory |", "|---|---:|---:|"]
-    for fmt, r in results.items():
+    for fmt, r in formats.items():
         cells = []
         for name in ("paired_read_ratio", "paired_read_into_ratio"):
             # (the goal is exact KV's; a compact file holds fewer bytes)
@@ -211,7 +225,10 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     for fmt, r in results.items():
         if fmt == "exact":
             continue
-        if r.get("written", fmt) == "none":  # exact chunks too: no goal to judge
+        if fmt == CONTROL:  # exact's own session restored again: no goal, the spread any ratio carries
+            lines.append(f"| {fmt} (exact's own files: this run's spread) | {interval_cell(r['vs_exact_ratio'])} | "
+                         f"{interval_cell(r['vs_exact_cold_ratio'])} |")
+        elif r.get("written", fmt) == "none":  # exact chunks too: no goal to judge
             lines.append(f"| {fmt} (written exact) | {interval_cell(r['vs_exact_ratio'])} | "
                          f"{interval_cell(r['vs_exact_cold_ratio'])} |")
         else:

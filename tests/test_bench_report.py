@@ -92,10 +92,12 @@ def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_rou
     """benchmarks.disk_formats pairs each format's restore with exact's of the
     same round (the VM's drift between rounds cancels): met where every pair
     is faster, not met where every one is slower, undecided where they
-    straddle exact; and the table says so per format, warm and cold."""
+    straddle exact; and the table says so per format, warm and cold. The
+    control (exact's own session restored again) gets its ratio, no verdict,
+    and no row among the formats' numbers (its files are exact's)."""
     import argparse
 
-    from benchmarks.disk_formats import add_vs_exact, render
+    from benchmarks.disk_formats import CONTROL, add_vs_exact, render
 
     drift = [1.0, 1.6, 0.8, 1.3, 0.9, 1.5, 1.1, 0.7, 1.2, 1.4]  # exact's time, round by round
 
@@ -109,14 +111,20 @@ def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_rou
                 "paired_read_ratio": pairs[0], "paired_read_into_ratio": pairs[1]}
 
     results = {"exact": result([1.0] * 10), "int8": result([0.9] * 10), "fp8": result([1.2] * 10),
-               "int4": result([0.9, 1.1] * 5)}
+               "int4": result([0.9, 1.1] * 5), CONTROL: result([0.95, 1.05] * 5)}
+    for name in ("paired_read_ratio", "paired_read_into_ratio", "raw_read_bytes_per_s"):
+        del results[CONTROL][name]  # (not measured for the control: exact's files)
     add_vs_exact(results)
     assert results["int8"]["vs_exact_ratio"][1] == pytest.approx(0.9)  # not 0.9 times a median of the drift
     assert results["fp8"]["vs_exact_cold_ratio"][1] == pytest.approx(1.2)
     table = render(results, argparse.Namespace(dtype="bfloat16", repeats=10))
     rows = {line.split("|")[1].strip(): line for line in table.split("Restore time over exact's")[1].splitlines()
             if line.startswith("| ") and not line.startswith("| format")}
-    assert set(rows) == {"int8", "fp8", "int4"}
+    control = f"{CONTROL} (exact's own files: this run's spread)"
+    assert set(rows) == {"int8", "fp8", "int4", control}
     assert rows["int8"].count(" met") == 2 and "not met" not in rows["int8"]
     assert rows["fp8"].count("not met") == 2
     assert rows["int4"].count("undecided") == 2
+    assert "| 1.00x (0.95-1.05" in rows[control] and not any(
+        word in rows[control] for word in ("met", "undecided"))
+    assert f"| {CONTROL} |" not in table.split("Restore time over exact's")[0]
