@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import signal
 import threading
 from contextlib import aclosing
 
@@ -206,7 +207,17 @@ def test_a_full_queue_refuses_new_turns():
     assert engine.pool_stats().used_blocks == 0
 
 
-def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn():
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler for the test (``_thread.interrupt_main``
+    does nothing under ``SIG_DFL`` or ``SIG_IGN``, whatever an earlier test
+    or library left installed), the previous one put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_the_consumer_thread_interrupts_the_turn(python_ctrl_c):
     engine = make_engine()
     chat = Chat("ctrlc", engine=engine, persist=False, max_new_tokens=400, ignore_eos=True)
     other = Chat("other", engine=engine, persist=False, max_new_tokens=4)
