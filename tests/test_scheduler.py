@@ -209,9 +209,10 @@ def test_a_full_queue_refuses_new_turns():
 
 @pytest.fixture
 def python_ctrl_c():
-    """Python's own Ctrl-C handler for the test (``_thread.interrupt_main``
-    does nothing under ``SIG_DFL`` or ``SIG_IGN``, whatever an earlier test
-    or library left installed), the previous one put back after."""
+    """Python's own Ctrl-C handler for the test, the previous one put back
+    after: ``_thread.interrupt_main`` does nothing where SIGINT is ignored,
+    as in a suite started as a background job of a non-interactive shell,
+    which inherits it ignored."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
