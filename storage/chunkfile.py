@@ -168,7 +168,6 @@ def encode_chunk(
 ) -> bytes:
     """Serialize a chunk to safetensors bytes, metadata and checksum included. No side effects."""
     import torch
-    from safetensors.torch import save as st_save
 
     payload = _prepare(tensors)
     payload[TOKEN_IDS_KEY] = torch.tensor(list(token_ids), dtype=torch.int32)
@@ -189,7 +188,51 @@ def encode_chunk(
     }
     for k, v in meta.extra.items():
         md[f"x.{k}"] = str(v)
-    return st_save(payload, metadata=md)
+    return _safetensors_bytes(payload, md)
+
+
+def _safetensors_bytes(payload: Mapping[str, torch.Tensor], md: Mapping[str, str]) -> bytes:
+    """``payload`` (contiguous CPU tensors, the token ids among them) as a
+    safetensors file with string metadata ``md``, laid out for the way
+    :func:`open_chunk_file` and :meth:`ChunkReader.read_into` read it: the
+    token ids right after the header, so that opening a chunk reads both in
+    one ``pread``, and the rest front to back.
+
+    ``safetensors.torch.save`` orders tensors by dtype, then name: a compact
+    chunk's float32 scales came before its int32 token ids, so opening it
+    read the token ids from the middle of the file (about 180 kB in, for an
+    int8 chunk of SmolLM2) before the native read went back to the scales
+    at its start. Read cold, that jump cost a device round trip of its own
+    and broke the kernel's sequential readahead: the pages around the token
+    ids came into the page cache as 4 kB folios, which later restores copy
+    out at a third of the speed of the large folios a front-to-back read
+    leaves. The layout is still safetensors (any order of offsets is valid;
+    the checksum covers names in their own order, not the file's), and
+    every tensor stays aligned to its item size: 8-byte ones first, then
+    the token ids, then the rest by falling item size.
+    """
+    import torch
+
+    names = {dtype: name for name, dtype in _st_dtypes().items()}
+
+    def rank(name: str) -> tuple[int, int, str]:
+        size = payload[name].element_size()
+        return (0 if size >= 8 else 1 if name == TOKEN_IDS_KEY else 2, -size, name)
+
+    header: dict[str, Any] = {"__metadata__": dict(md)}
+    data: list[Any] = []
+    at = 0
+    for name in sorted(payload, key=rank):
+        t = payload[name]
+        if t.dtype not in names:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        if t.nbytes:
+            data.append(t.reshape(-1).view(torch.uint8).numpy())
+        at += t.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # (the data starts 8-byte aligned, as safetensors writes it)
+    return b"".join([len(head).to_bytes(8, "little"), head, *data])
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -737,7 +780,7 @@ class ChunkReader:
         order (names sorted), which for chatkv's chunks is the file's, so
         that the file is read front to back. A compact chunk read into
         memory (a pool not in host memory, or a chunk the loop fills) has
-        its scales and offsets, at the file's start, taken first so; read in
+        its scales and offsets, near the file's start, taken first so; read in
         the checksum's order, its reads jumped from codes back to scales,
         and read cold it came into the page cache as 4 kB pages (see
         :meth:`_checked`)."""
@@ -1102,8 +1145,10 @@ def open_chunk_file(
 
 
 #: Bytes :func:`open_chunk_file` reads first: a chunk's header (under 1.1 kB
-#: for SmolLM2's) and, in most formats, its token ids, which come right after
-#: it (1 kB for 256 tokens), in one ``pread``.
+#: for SmolLM2's) and its token ids, which come right after it (1 kB for 256
+#: tokens; see :func:`_safetensors_bytes`), in one ``pread``. (Chunks written
+#: before that layout hold a compact format's token ids after its scales: a
+#: second ``pread`` then reads them.)
 OPEN_READ_BYTES = 4096
 
 

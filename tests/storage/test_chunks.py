@@ -596,18 +596,23 @@ def test_open_kv_checks_the_fingerprint_and_the_tokens(store: Store) -> None:
 def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chunk_reads, where: str) -> None:
     """A chunk is opened with one read of its first bytes where its header and
     token ids lie in them, with more reads where they do not (a long header;
-    token ids after a large tensor); either way the same tokens and tensors."""
+    token ids after a large tensor, as ``safetensors.torch.save`` laid out
+    the chunks of earlier versions); either way the same tokens and tensors."""
     import json
+
+    from safetensors.torch import load_file, save_file
 
     from chatkv.storage.chunkfile import OPEN_READ_BYTES, read_safetensors_metadata
 
     ids = list(range(40))
     extra = {"note": "x" * (2 * OPEN_READ_BYTES)} if where == "header past it" else {}
     tensors = {"kv": torch.randn(2, 2, 4, 2, 8)}
-    if where == "ids past it":  # float32 and more than the first read: laid out before the int32 ids
+    if where == "ids past it":  # float32 and more than the first read
         tensors["big"] = torch.randn(2 * OPEN_READ_BYTES)
     info = store.write_chunk(ids, tensors, ChunkMeta(FP, "paged-v1", "float32", 16, "none", extra=extra))
     path = store.path_of(info)
+    if where == "ids past it":  # rewritten as earlier versions wrote it: the float32 tensors before the int32 ids
+        save_file(load_file(path), path, metadata=read_safetensors_metadata(path))
     with path.open("rb") as f:
         header_bytes = 8 + int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_bytes - 8))
@@ -624,6 +629,35 @@ def test_open_kv_reads_headers_and_token_ids_wherever_they_lie(store: Store, chu
     assert torch.equal(got, tensors["kv"]) and set(fresh) == set(tensors) - {"kv"}
     for name, t in fresh.items():
         assert torch.equal(t, tensors[name])
+
+
+def test_a_chunk_lays_out_its_token_ids_right_after_the_header(store: Store) -> None:
+    """Whatever its tensors' dtypes (a compact chunk's float32 scales, which
+    ``safetensors.torch.save`` put first), a chunk file holds its token ids
+    right after the header, so that opening it reads both in one ``pread``
+    and a cold read goes front to back; 8-byte tensors alone come before them
+    (each tensor aligned to its item size). The file is still one that
+    ``safetensors`` reads as written."""
+    import json
+
+    from safetensors.torch import load_file
+
+    ids = list(range(40))
+    tensors = {"k.scale": torch.randn(30, 3), "k.data": torch.randint(-128, 127, (30, 40, 8), dtype=torch.int8),
+               "tail": torch.randn(2, 8).to(torch.bfloat16), "wide": torch.arange(3, dtype=torch.float64)}
+    info = store.write_chunk(ids, tensors, ChunkMeta(FP, "paged-v1", "float32", 16, "int8"))
+    path = store.path_of(info)
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    assert (8 + n) % 8 == 0
+    spans = sorted((entry["data_offsets"], name) for name, entry in header.items() if name != "__metadata__")
+    assert [name for _, name in spans] == ["wide", "__token_ids__", "k.scale", "tail", "k.data"]
+    assert all(begin % tensors.get(name, torch.empty(0, dtype=torch.int32)).element_size() == 0
+               for (begin, _), name in spans)
+    loaded = load_file(path)
+    assert loaded.pop("__token_ids__").tolist() == ids
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())
 
 
 @pytest.mark.parametrize("entry", [{"shape": [2, 2, 4, 2.0, 8]}, {"shape": [2, 2, 4, "2", 8]},
