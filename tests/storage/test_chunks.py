@@ -507,11 +507,22 @@ def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) ->
     or found corrupt."""
     import os
 
+    def open_files() -> set[tuple[str, str]]:
+        """The process's open descriptors with what each names; not the one
+        the listing itself used (gone by the time it is named)."""
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+            except FileNotFoundError:
+                pass
+        return out
+
     ids = list(range(60))
     store.open_session("s")
     store.save_kv("s", token_ids=ids, fingerprint=FP,
                   chunks=[NewChunk(20, {"kv": torch.randn(2, 3, 20)}, META) for _ in range(3)])
-    before = set(os.listdir("/proc/self/fd"))
+    before = open_files()
     _read_into_buffers(store, "s")
     for source in store.open_kv("s"):
         with pytest.raises(ValueError):
@@ -527,7 +538,9 @@ def test_chunks_read_or_refused_leave_no_file_open(store: Store, chunk_reads) ->
             source.read_into({"kv": [torch.empty(shape, dtype=dtype).view(-1).view(torch.uint8).numpy().data]})
     for source in sources:
         source.close()
-    assert set(os.listdir("/proc/self/fd")) == before
+    # (Opened since and still open: a descriptor an earlier test left to the
+    # garbage collector may close meanwhile, which is not this test's business.)
+    assert open_files() - before == set()
 
 
 def test_open_kv_refuses_buffers_that_do_not_fit_and_reads_other_tensors_anew(store: Store, chunk_reads) -> None:
