@@ -90,7 +90,9 @@ def test_the_decode_goal_is_judged_on_ratios_paired_by_repeat() -> None:
 
 def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_round() -> None:
     """benchmarks.disk_formats pairs each format's restore with exact's of the
-    same round (the VM's drift between rounds cancels): met where every pair
+    same round (the VM's drift between rounds cancels), from the device and,
+    in results without restores of exact's beside each format's (older
+    runs), from the page cache: met where every pair
     is faster, not met where every one is slower, undecided where they
     straddle exact; and the table says so per format, warm and cold. The
     control (exact's own session restored again) gets its ratio, no verdict,
