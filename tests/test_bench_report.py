@@ -88,6 +88,19 @@ def test_the_decode_goal_is_judged_on_ratios_paired_by_repeat() -> None:
     assert "1000 tok: 1.65x (1.60-1.70, 88%) met" in decode_goal(chatkv, eager, [1000])[-1]
 
 
+def _disk_format_result(warm: list[float], cold: list[float], **more: object) -> dict:
+    """One format's entry in ``benchmarks.disk_formats``'s results, as its run
+    leaves it before :func:`~benchmarks.disk_formats.add_vs_exact`: restore
+    times ``warm`` (from the page cache) and ``cold`` (from the device), the
+    rest fixed, ``more`` added."""
+    pairs = (1.0, 0.4, 0.5, 0.9)
+    return {"tokens": 1000, "disk_bytes": 10_000, "bytes_per_token": 10.0, "restore_s": warm,
+            "restore_cold_s": cold, "restore_median_s": 1.0, "restore_cold_median_s": 3.0,
+            "restore_bytes_per_s": 1e9, "raw_read_bytes_per_s": 2e9, "raw_read_into_bytes_per_s": 2e9,
+            "raw_read_cold_bytes_per_s": 1e9, "top1_agreement": 1.0, "mean_kl": 0.0, "cold": "evicted",
+            "paired_read_ratio": pairs, "paired_read_into_ratio": pairs, **more}
+
+
 def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_round() -> None:
     """benchmarks.disk_formats pairs each format's restore with exact's of the
     same round (the VM's drift between rounds cancels), from the device and,
@@ -105,12 +118,7 @@ def test_disk_formats_judges_each_compact_restore_against_exacts_in_the_same_rou
 
     def result(factors: list[float]) -> dict:
         times = [d * f for d, f in zip(drift, factors)]
-        pairs = ((1.0, 0.4, 0.5, 0.9),) * 2
-        return {"tokens": 1000, "disk_bytes": 10_000, "bytes_per_token": 10.0, "restore_s": times,
-                "restore_cold_s": [3 * t for t in times], "restore_median_s": 1.0, "restore_cold_median_s": 3.0,
-                "restore_bytes_per_s": 1e9, "raw_read_bytes_per_s": 2e9, "raw_read_into_bytes_per_s": 2e9,
-                "raw_read_cold_bytes_per_s": 1e9, "top1_agreement": 1.0, "mean_kl": 0.0, "cold": "evicted",
-                "paired_read_ratio": pairs[0], "paired_read_into_ratio": pairs[1]}
+        return _disk_format_result(times, [3 * t for t in times])
 
     results = {"exact": result([1.0] * 10), "int8": result([0.9] * 10), "fp8": result([1.2] * 10),
                "int4": result([0.9, 1.1] * 5), CONTROL: result([0.95, 1.05] * 5)}
@@ -146,15 +154,9 @@ def test_disk_formats_judges_the_page_caches_restores_against_exacts_beside_them
     drift = [1.0, 1.6, 0.8, 1.3, 0.9, 1.5]
     beside = [1.3, 1.0, 1.4, 0.9, 1.2, 1.1]  # the machine's speed when int8's pair ran
 
-    def result(times: list[float], adjacent: list[float]) -> dict:
-        return {"tokens": 1000, "disk_bytes": 10_000, "bytes_per_token": 10.0, "restore_s": times,
-                "restore_cold_s": [3 * t for t in drift], "adjacent_exact_s": adjacent,
-                "restore_median_s": 1.0, "restore_cold_median_s": 3.0, "restore_bytes_per_s": 1e9,
-                "raw_read_bytes_per_s": 2e9, "raw_read_into_bytes_per_s": 2e9, "raw_read_cold_bytes_per_s": 1e9,
-                "top1_agreement": 1.0, "mean_kl": 0.0, "cold": "evicted",
-                "paired_read_ratio": (1.0, 1.0, 1.0, 0.9), "paired_read_into_ratio": (1.0, 1.0, 1.0, 0.9)}
-
-    results = {"exact": result(drift, []), "int8": result([0.9 * b for b in beside], beside)}
+    cold = [3 * t for t in drift]
+    results = {"exact": _disk_format_result(drift, cold, adjacent_exact_s=[]),
+               "int8": _disk_format_result([0.9 * b for b in beside], cold, adjacent_exact_s=beside)}
     add_vs_exact(results)
     assert results["int8"]["vs_exact_ratio"][::2] == pytest.approx((0.9, 0.9))  # every adjacent pair
     low, _, high, _ = results["int8"]["vs_exact_round_ratio"]
